@@ -1,0 +1,46 @@
+"""hsstore: LLM hidden states as a first-class dataset.
+
+Public API: `create`, `open`, `verify`, `gc`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
+and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
+"""
+
+from hsstore.dataset import Dataset, Sample, Writer, create, open
+from hsstore.errors import (
+    BadInputError,
+    ConflictError,
+    DuplicateSampleError,
+    FormatError,
+    HsstoreError,
+    IntegrityError,
+    NotADatasetError,
+    SchemaError,
+    UnsupportedVersionError,
+)
+from hsstore.format.layers import LayerSpec
+from hsstore.format.manifest import Manifest, ModelInfo
+from hsstore.integrity import VerifyReport, gc, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadInputError",
+    "ConflictError",
+    "Dataset",
+    "DuplicateSampleError",
+    "FormatError",
+    "HsstoreError",
+    "IntegrityError",
+    "LayerSpec",
+    "Manifest",
+    "ModelInfo",
+    "NotADatasetError",
+    "Sample",
+    "SchemaError",
+    "UnsupportedVersionError",
+    "VerifyReport",
+    "Writer",
+    "create",
+    "gc",
+    "open",
+    "verify",
+]

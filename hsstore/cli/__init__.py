@@ -1,0 +1,37 @@
+"""The `hsstore` command line: a thin shell over the library.
+
+Subcommands are imported lazily so `hsstore --help` stays fast (torch is heavy to import).
+Each subcommand lives in its own module and exposes a click command named `command`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+_COMMANDS: dict[str, str] = {
+    "demo": "hsstore.cli.demo",
+    "inspect": "hsstore.cli.inspect",
+    "verify": "hsstore.cli.verify",
+    "convert": "hsstore.cli.convert",
+    "extract": "hsstore.cli.extract",
+    "gc": "hsstore.cli.gc",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = _COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        return importlib.import_module(module).command
+
+
+@click.group(cls=_LazyGroup)
+@click.version_option(package_name="hsstore")
+def main() -> None:
+    """hsstore: LLM hidden states as a first-class dataset."""

@@ -1,0 +1,203 @@
+"""The storage layer: every byte hsstore reads or writes goes through a `Storage`.
+
+Keys are '/'-separated paths relative to the dataset root. The operations are the ones an
+object store also offers (whole-object put, ranged get, list, delete, put-if-absent), so a
+remote backend can come later without touching the format code. `LocalStorage` maps them to
+POSIX files; put-if-absent is a hard link of a fully written, fsynced temporary file, which
+is atomic and fails if the name exists.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+
+class Storage(abc.ABC):
+    """Byte-level access to one dataset root."""
+
+    root: str
+
+    @abc.abstractmethod
+    def read_bytes(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes at ``offset`` into ``out``; returns the bytes read."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
+        """Write a new object from pieces; returns its size. Not yet durable (see `sync`)."""
+
+    @abc.abstractmethod
+    def sync(self, keys: Iterable[str]) -> None:
+        """Make the named objects (and their directories) durable."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Atomically create ``key`` with ``data``; False if it already exists."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (files and folders), sorted."""
+
+    @abc.abstractmethod
+    def delete_tree(self, prefix: str) -> None: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def path_of(self, key: str) -> str:
+        """A human-readable location for error messages."""
+        return f"{self.root.rstrip('/')}/{key}"
+
+
+class LocalStorage(Storage):
+    """A dataset in a local directory."""
+
+    def __init__(self, root: str | os.PathLike[str], *, max_open_files: int = 128):
+        self.root = str(Path(root))
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fd_lock = threading.Lock()
+        self._max_open = max_open_files
+        self._pid = os.getpid()
+
+    def _abs(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def read_bytes(self, key: str) -> bytes:
+        with open(self._abs(key), "rb") as f:
+            return f.read()
+
+    def _fd(self, key: str) -> int:
+        # Descriptors are per process: after a fork, start a fresh cache (never close the
+        # parent's numbers, which the parent still uses).
+        with self._fd_lock:
+            if self._pid != os.getpid():
+                self._fds = OrderedDict()
+                self._pid = os.getpid()
+            fd = self._fds.get(key)
+            if fd is not None:
+                self._fds.move_to_end(key)
+                return fd
+            fd = os.open(self._abs(key), os.O_RDONLY)
+            self._fds[key] = fd
+            while len(self._fds) > self._max_open:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+            return fd
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        fd = self._fd(key)
+        total = 0
+        view = out
+        while total < len(out):
+            n = os.preadv(fd, [view[total:]], offset + total)
+            if n == 0:
+                break
+            total += n
+        return total
+
+    def size(self, key: str) -> int:
+        return os.stat(self._abs(key)).st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._abs(key))
+
+    def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
+        path = self._abs(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        size = 0
+        with open(path, "xb") as f:
+            for piece in pieces:
+                f.write(piece)
+                size += len(piece)
+        return size
+
+    def sync(self, keys: Iterable[str]) -> None:
+        dirs: set[str] = set()
+        for key in keys:
+            path = self._abs(key)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            dirs.add(os.path.dirname(path))
+        for d in sorted(dirs, key=len, reverse=True):
+            _fsync_dir(d)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._abs(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}")
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(folder)
+        return True
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(prefix)))
+        except FileNotFoundError:
+            return []
+
+    def walk(self, prefix: str) -> Iterator[str]:
+        """Every file key under ``prefix``."""
+        base = self._abs(prefix)
+        for folder, _, files in os.walk(base):
+            for name in files:
+                yield os.path.relpath(os.path.join(folder, name), self.root).replace(os.sep, "/")
+
+    def delete_tree(self, prefix: str) -> None:
+        self.close()
+        shutil.rmtree(self._abs(prefix), ignore_errors=True)
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self._abs(key))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        with self._fd_lock:
+            if self._pid == os.getpid():
+                for fd in self._fds.values():
+                    os.close(fd)
+            self._fds = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        # Pickled into worker processes: descriptors and locks do not travel.
+        return {"root": self.root, "max_open": self._max_open}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
