@@ -24,7 +24,6 @@ from hsstore.errors import (
     BadInputError,
     ConflictError,
     DuplicateSampleError,
-    FormatError,
     IntegrityError,
 )
 from hsstore.format import commit, paths, zarr_meta
@@ -80,7 +79,8 @@ def create(
     model_info = model if isinstance(model, ModelInfo) else ModelInfo.from_json(dict(model or {}))
     if model_info.hidden_size is not None and model_info.hidden_size != hidden_size:
         raise BadInputError(
-            f"model hidden_size {model_info.hidden_size} != hidden_size {hidden_size}", path=str(path)
+            f"model hidden_size {model_info.hidden_size} != hidden_size {hidden_size}",
+            path=str(path),
         )
     layout = Layout.choose(
         num_layers=len(specs),
@@ -113,7 +113,10 @@ def create(
         return _open_compatible(path, man)
     os.makedirs(storage.root, exist_ok=True)
     for key, doc in (
-        (paths.ROOT_ZARR_JSON, zarr_meta.group_json({"hsstore": {"format_version": man.format_version}})),
+        (
+            paths.ROOT_ZARR_JSON,
+            zarr_meta.group_json({"hsstore": {"format_version": man.format_version}}),
+        ),
         (paths.SEGMENTS_ZARR_JSON, zarr_meta.group_json()),
     ):
         storage.put_if_absent(key, doc)
@@ -137,7 +140,9 @@ def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
     return ds
 
 
-def open(path: str | os.PathLike[str], *, version: int | None = None, verify_reads: bool = True) -> Dataset:  # noqa: A001
+def open(
+    path: str | os.PathLike[str], *, version: int | None = None, verify_reads: bool = True
+) -> Dataset:  # noqa: A001
     """Open the latest committed version (or ``version``) of a dataset."""
     return Dataset(path, version=version, verify_reads=verify_reads)
 
@@ -150,14 +155,22 @@ class Dataset:
     returned as data.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, version: int | None = None, verify_reads: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        verify_reads: bool = True,
+        manifest: Manifest | None = None,
+    ):
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(2, "no such dataset directory", str(path))
         self.storage = LocalStorage(self.path)
         self.verify_reads = verify_reads
-        self._pinned_version = version
-        self._load(commit.load_manifest(self.storage, version))
+        self._load(
+            manifest if manifest is not None else commit.load_manifest(self.storage, version)
+        )
 
     def _load(self, manifest: Manifest) -> None:
         self.manifest = manifest
@@ -176,7 +189,9 @@ class Dataset:
         else:
             from hsstore.segment import INDEX_SCHEMA
 
-            self.index = INDEX_SCHEMA.empty_table().append_column("segment", pa.array([], pa.int32()))
+            self.index = INDEX_SCHEMA.empty_table().append_column(
+                "segment", pa.array([], pa.int32())
+            )
         self._segment = self.index.column("segment").to_numpy()
         self._row = self.index.column("row_offset").to_numpy()
         self._len = self.index.column("num_tokens").to_numpy()
@@ -193,7 +208,11 @@ class Dataset:
 
     # -- pickling: worker processes re-open from the path ----------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), "version": self.manifest.version, "verify": self.verify_reads}
+        return {
+            "path": str(self.path),
+            "version": self.manifest.version,
+            "verify": self.verify_reads,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], version=state["version"], verify_reads=state["verify"])  # type: ignore[misc]
@@ -277,15 +296,21 @@ class Dataset:
         out = [int(x) for x in layers]
         for x in out:
             if not 0 <= x < self.manifest.num_layers:
-                raise IndexError(f"layer position {x} out of range (dataset stores {self.manifest.num_layers})")
+                raise IndexError(
+                    f"layer position {x} out of range (dataset stores {self.manifest.num_layers})"
+                )
         return out
 
-    def read_hidden_into(self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None) -> torch.Tensor:
+    def read_hidden_into(
+        self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)."""
         self._read(self._check_position(i), self._check_layers(layers), out)
         return out
 
-    def read(self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None) -> Sample:
+    def read(
+        self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None
+    ) -> Sample:
         """Sample ``i`` in storage order; ``layers`` picks stored layers by position."""
         i = self._check_position(i)
         layer_list = self._check_layers(layers)
@@ -306,7 +331,11 @@ class Dataset:
         shape = (n, width, self.manifest.hidden_size)
         if out is None:
             out = torch.empty(shape, dtype=self.manifest.torch_dtype)
-        elif tuple(out.shape) != shape or out.dtype != self.manifest.torch_dtype or not out.is_contiguous():
+        elif (
+            tuple(out.shape) != shape
+            or out.dtype != self.manifest.torch_dtype
+            or not out.is_contiguous()
+        ):
             raise BadInputError(
                 f"out must be a contiguous {self.manifest.dtype} tensor of shape {shape}, got "
                 f"{out.dtype} {tuple(out.shape)}",
@@ -319,7 +348,11 @@ class Dataset:
             mask = reader.column("loss_mask")[row : row + n]
         except IntegrityError as exc:
             raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
-        if self.verify_reads and layers is None and sample_checksum(np_out, ids, mask) != int(self._checksum[i]):
+        if (
+            self.verify_reads
+            and layers is None
+            and sample_checksum(np_out, ids, mask) != int(self._checksum[i])
+        ):
             raise IntegrityError(
                 "sample checksum mismatch (corrupted bytes)",
                 path=str(self.path / paths.segment_dir(reader.info.id)),
@@ -379,9 +412,13 @@ class Writer:
         if self._closed:
             raise ConflictError("writer is closed", path=str(self.ds.path))
         if not isinstance(sample_id, str) or not sample_id:
-            raise BadInputError(f"sample id must be a non-empty string, got {sample_id!r}", path=source)
+            raise BadInputError(
+                f"sample id must be a non-empty string, got {sample_id!r}", path=source
+            )
         if sample_id in self._committed_ids or sample_id in self._new_ids:
-            raise DuplicateSampleError("sample id is already in the dataset", path=str(self.ds.path), sample_id=sample_id)
+            raise DuplicateSampleError(
+                "sample id is already in the dataset", path=str(self.ds.path), sample_id=sample_id
+            )
         hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
         if self._segment is None:
             self._segment = self._new_segment()
@@ -412,9 +449,13 @@ class Writer:
             raise bad(f"hidden must be [tokens, layers, hidden], got shape {tuple(hidden.shape)}")
         t, n_layers, h = hidden.shape
         if n_layers != man.num_layers or h != man.hidden_size:
-            raise bad(f"hidden has {n_layers} layers x {h}, dataset stores {man.num_layers} x {man.hidden_size}")
+            raise bad(
+                f"hidden has {n_layers} layers x {h}, dataset stores {man.num_layers} x {man.hidden_size}"
+            )
         if hidden.dtype != man.torch_dtype:
-            raise bad(f"hidden is {hidden.dtype}, dataset stores {man.torch_dtype} (hsstore never casts silently)")
+            raise bad(
+                f"hidden is {hidden.dtype}, dataset stores {man.torch_dtype} (hsstore never casts silently)"
+            )
         if t < 1:
             raise bad("sample has no tokens")
         hidden = hidden.detach().to("cpu").contiguous()
@@ -467,7 +508,9 @@ class Writer:
             for seg in latest.segments:
                 if seg.id in self._known_segments:
                     continue
-                theirs = set(SegmentReader(self.storage, latest, seg).index().column("sample_id").to_pylist())
+                theirs = set(
+                    SegmentReader(self.storage, latest, seg).index().column("sample_id").to_pylist()
+                )
                 clash = theirs & my_ids
                 if clash:
                     raise DuplicateSampleError(
@@ -481,7 +524,9 @@ class Writer:
             provenance = dict(latest.provenance)
             if skipped:
                 provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
-            return latest.with_segments(latest.segments + tuple(mine), provenance, latest.version + 1)
+            return latest.with_segments(
+                latest.segments + tuple(mine), provenance, latest.version + 1
+            )
 
         try:
             published = commit.publish(self.storage, build_next)
@@ -531,4 +576,3 @@ class Writer:
                 self.abort()
         finally:
             self.close()
-

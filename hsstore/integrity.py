@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -77,7 +77,9 @@ class VerifyReport:
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
-def verify(path: str | os.PathLike[str], *, workers: int | None = None, progress: Progress | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: Progress | None = None
+) -> VerifyReport:
     """Re-read everything committed; never raises for data problems, returns them instead."""
     from hsstore.dataset import Dataset
 
@@ -86,23 +88,27 @@ def verify(path: str | os.PathLike[str], *, workers: int | None = None, progress
     report = VerifyReport(path=str(path), version=None)
     versions = commit.list_versions(storage)
     if not versions:
-        report.problems.append(Problem("manifest", str(path), "not an hsstore dataset (no committed manifest)"))
+        report.problems.append(
+            Problem("manifest", str(path), "not an hsstore dataset (no committed manifest)")
+        )
         return report
     for v in versions:
         try:
             commit.load_manifest(storage, v)
         except HsstoreError as exc:
-            report.problems.append(Problem("manifest", storage.path_of(paths.manifest_key(v)), exc.message))
+            report.problems.append(
+                Problem("manifest", storage.path_of(paths.manifest_key(v)), exc.message)
+            )
     try:
-        ds = Dataset(path, verify_reads=True)
+        manifest = commit.load_manifest(storage)
     except HsstoreError as exc:
-        if not any(p.where == exc.path for p in report.problems):
+        if not report.problems:
             report.problems.append(Problem("manifest", exc.path or str(path), exc.message))
         report.seconds = time.perf_counter() - t0
         return report
-    report.version = ds.manifest.version
+    report.version = manifest.version
 
-    total = sum(f.size for s in ds.manifest.segments for f in s.files.values())
+    total = sum(f.size for s in manifest.segments for f in s.files.values())
     done = [0]
 
     def tick(n: int) -> None:
@@ -111,19 +117,25 @@ def verify(path: str | os.PathLike[str], *, workers: int | None = None, progress
         if progress is not None:
             progress(done[0], total * 2)
 
-    bad_segments: set[int] = set()
-    for k, reader in enumerate(ds._readers):
-        rows_to_ids = _row_mapper(ds, k)
-        for relpath, info in reader.info.files.items():
+    # Files first: a segment whose index or columns are damaged cannot be read sample by
+    # sample, so it is reported whole and left out of the sample pass.
+    good_segments = []
+    for seg in manifest.segments:
+        reader = SegmentReader(storage, manifest, seg)
+        rows_to_ids = _row_mapper(reader)
+        segment_ok = True
+        for relpath, info in seg.files.items():
             report.files_checked += 1
-            problem = _check_file(reader, relpath, info.size, info.crc32c, rows_to_ids, tick)
-            if problem is not None:
-                report.problems.extend(problem)
-                if not relpath.startswith(f"{paths.STATES}/c/"):
-                    bad_segments.add(k)
+            problems = _check_file(reader, relpath, info.size, info.crc32c, rows_to_ids, tick)
+            if problems:
+                report.problems.extend(problems)
+                segment_ok = segment_ok and relpath.startswith(f"{paths.STATES}/c/")
+        if segment_ok:
+            good_segments.append(seg)
+    ds = Dataset(path, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments)))
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
-    todo = [i for i in range(len(ds)) if int(ds._segment[i]) not in bad_segments]
+    todo = list(range(len(ds)))
     sample_bytes = ds.manifest.num_layers * ds.hidden_size * ds.manifest.storage_dtype.itemsize
 
     def check(i: int) -> Problem | None:
@@ -144,16 +156,18 @@ def verify(path: str | os.PathLike[str], *, workers: int | None = None, progress
     return report
 
 
-def _row_mapper(ds: Any, segment: int) -> Callable[[int, int], list[str]]:
-    """Sample ids of one segment whose rows overlap [lo, hi)."""
-    positions = np.flatnonzero(ds._segment == segment)
-    starts = ds._row[positions]
-    ends = starts + ds._len[positions]
-    ids = ds.sample_ids
+def _row_mapper(reader: SegmentReader) -> Callable[[int, int], list[str]]:
+    """Sample ids of one segment whose rows overlap [lo, hi); none if its index is unreadable."""
+    try:
+        index = reader.index()
+    except HsstoreError:
+        return lambda lo, hi: []
+    starts = index.column("row_offset").to_numpy()
+    ends = starts + index.column("num_tokens").to_numpy()
+    ids = index.column("sample_id").to_pylist()
 
     def overlap(lo: int, hi: int) -> list[str]:
-        hit = positions[(starts < hi) & (ends > lo)]
-        return [ids[i] for i in hit]
+        return [ids[i] for i in np.flatnonzero((starts < hi) & (ends > lo))]
 
     return overlap
 
@@ -174,7 +188,10 @@ def _check_file(
             reader.read_small(relpath)
             tick(size)
         except (IntegrityError, FormatError) as exc:
-            return [Problem("file", where, exc.message, everyone)]
+            reason = exc.message
+            if relpath == paths.INDEX:
+                reason += f" (index of {reader.info.num_samples} samples: none can be located)"
+            return [Problem("file", where, reason, everyone)]
         return None
     shard = int(relpath.split("/")[2])
     layout = reader.manifest.layout
@@ -200,16 +217,23 @@ def _check_file(
             off, nb = (int(v) for v in idx[c, j])
             if off == zarr_meta.EMPTY:
                 continue
-            rows = (shard_rows[0] + c * layout.rows_per_chunk, shard_rows[0] + (c + 1) * layout.rows_per_chunk)
+            rows = (
+                shard_rows[0] + c * layout.rows_per_chunk,
+                shard_rows[0] + (c + 1) * layout.rows_per_chunk,
+            )
             try:
                 if off + nb > len(data) - n_index:
                     raise IntegrityError("chunk extends past the shard data", path=where)
                 check_crc(memoryview(data)[off : off + nb], what=where)
             except IntegrityError as exc:
-                problems.append(Problem("chunk", f"{where} chunk ({c}, {j})", exc.message, rows_to_ids(*rows)))
+                problems.append(
+                    Problem("chunk", f"{where} chunk ({c}, {j})", exc.message, rows_to_ids(*rows))
+                )
     return problems or None
 
 
-def gc(path: str | os.PathLike[str], *, keep_versions: int | None = None, grace_s: float = 60.0) -> commit.GcReport:
+def gc(
+    path: str | os.PathLike[str], *, keep_versions: int | None = None, grace_s: float = 60.0
+) -> commit.GcReport:
     """Remove debris left by crashed writers (never anything a committed version references)."""
     return commit.gc(LocalStorage(path), keep_versions=keep_versions, grace_s=grace_s)

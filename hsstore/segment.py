@@ -90,8 +90,11 @@ class SegmentWriter:
         return len(self._samples)
 
     def raw_bytes(self) -> int:
-        return self.rows * self.manifest.num_layers * self.manifest.hidden_size * (
-            self.manifest.storage_dtype.itemsize
+        return (
+            self.rows
+            * self.manifest.num_layers
+            * self.manifest.hidden_size
+            * (self.manifest.storage_dtype.itemsize)
         )
 
     def add(
@@ -116,7 +119,9 @@ class SegmentWriter:
         cap = self.shard_buffer.shape[0]
         while done < t:
             n = min(t - done, cap - self._rows_in_buffer)
-            self.shard_buffer[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[done : done + n]
+            self.shard_buffer[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[
+                done : done + n
+            ]
             self._rows_in_buffer += n
             done += n
             if self._rows_in_buffer == cap:
@@ -232,7 +237,9 @@ class SegmentReader:
         self._local = threading.local()
         layout = manifest.layout
         self._n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
-        self._row_bytes_chunk = layout.layers_per_chunk * manifest.hidden_size * manifest.storage_dtype.itemsize
+        self._row_bytes_chunk = (
+            layout.layers_per_chunk * manifest.hidden_size * manifest.storage_dtype.itemsize
+        )
 
     def _key(self, relpath: str) -> str:
         return paths.segment_file(self.info.id, relpath)
@@ -251,7 +258,9 @@ class SegmentReader:
         except FileNotFoundError as exc:
             raise IntegrityError("committed file is missing", path=where) from exc
         if len(data) != expected.size:
-            raise IntegrityError(f"file has {len(data)} bytes, manifest says {expected.size}", path=where)
+            raise IntegrityError(
+                f"file has {len(data)} bytes, manifest says {expected.size}", path=where
+            )
         if expected.crc32c is not None and crc32c(data) != expected.crc32c:
             raise IntegrityError("crc32c mismatch (corrupted bytes)", path=where)
         return data
@@ -276,7 +285,9 @@ class SegmentReader:
         try:
             raw = zstandard.ZstdDecompressor().decompress(bytes(body))
         except zstandard.ZstdError as exc:
-            raise IntegrityError(f"column does not decode: {exc}", path=self.where(relpath)) from exc
+            raise IntegrityError(
+                f"column does not decode: {exc}", path=self.where(relpath)
+            ) from exc
         arr = np.frombuffer(raw, dtype=dtype)
         if arr.shape[0] != self.info.num_tokens:
             raise IntegrityError(
@@ -308,7 +319,9 @@ class SegmentReader:
         except FileNotFoundError as exc:
             raise IntegrityError("committed shard file is missing", path=where) from exc
         if size != expected.size:
-            raise IntegrityError(f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where)
+            raise IntegrityError(
+                f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where
+            )
         n_chunks = self.manifest.layout.chunks_per_shard * self._n_layer_chunks
         nbytes = zarr_meta.shard_index_nbytes(n_chunks)
         buf = bytearray(nbytes)
@@ -316,7 +329,9 @@ class SegmentReader:
         if got != nbytes:
             raise IntegrityError("shard index is truncated", path=where)
         body = check_crc(memoryview(buf), what=f"{where} (shard index)")
-        idx = np.frombuffer(body, dtype="<u8").reshape(self.manifest.layout.chunks_per_shard, self._n_layer_chunks, 2)
+        idx = np.frombuffer(body, dtype="<u8").reshape(
+            self.manifest.layout.chunks_per_shard, self._n_layer_chunks, 2
+        )
         data_end = size - nbytes
         present = idx[:, :, 0] != zarr_meta.EMPTY
         if np.any(idx[present][:, 0] + idx[present][:, 1] > data_end):
@@ -332,7 +347,9 @@ class SegmentReader:
             buf = bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
         return memoryview(buf)[:nbytes]
 
-    def read_rows(self, start: int, stop: int, layers: Sequence[int] | None, out: np.ndarray) -> None:
+    def read_rows(
+        self, start: int, stop: int, layers: Sequence[int] | None, out: np.ndarray
+    ) -> None:
         """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
 
         ``out`` is a C-contiguous array of the storage dtype. ``layers=None`` means all layers.
@@ -358,12 +375,17 @@ class SegmentReader:
             for j, positions in by_chunk.items():
                 offset, nbytes = (int(v) for v in idx[local, j])
                 if offset == zarr_meta.EMPTY:
-                    raise IntegrityError(f"chunk ({c}, {j}) of committed rows is missing", path=self.storage.path_of(key))
+                    raise IntegrityError(
+                        f"chunk ({c}, {j}) of committed rows is missing",
+                        path=self.storage.path_of(key),
+                    )
                 if whole_rows and not man.codec.compressed:
                     # Raw bytes of the wanted rows sit contiguously: read them straight into out.
                     # (The whole-sample checksum verifies them; a partial chunk has no crc.)
                     dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
-                    got = self.storage.read_into(key, offset + (lo - crow0) * self._row_bytes_chunk, dst)
+                    got = self.storage.read_into(
+                        key, offset + (lo - crow0) * self._row_bytes_chunk, dst
+                    )
                     if got != len(dst):
                         raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
                     continue
@@ -377,7 +399,9 @@ class SegmentReader:
                     continue
                 scratch = self._scratch("chunk", chunk_nbytes)
                 self._codec.decode_into(encoded, scratch, what=what)
-                chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(rpc, lpc, man.hidden_size)
+                chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
+                    rpc, lpc, man.hidden_size
+                )
                 rows = chunk[lo - crow0 : hi - crow0]
                 if whole_rows:
                     out[lo - start : hi - start] = rows

@@ -133,7 +133,9 @@ class StatsAccumulator:
         self._phase = (self._phase + hidden.shape[0]) % self.sample_every
         if sampled.shape[0]:
             ok_rows = torch.isfinite(sampled).all(dim=-1)  # [t, L]
-            clean = torch.where(ok_rows.unsqueeze(-1), sampled, torch.zeros((), dtype=sampled.dtype))
+            clean = torch.where(
+                ok_rows.unsqueeze(-1), sampled, torch.zeros((), dtype=sampled.dtype)
+            )
             sums = clean.sum(dim=(0, 2)).double().tolist()
             sumsqs = clean.double().pow(2).sum(dim=(0, 2)).tolist()
             counts = (ok_rows.sum(0) * hidden.shape[-1]).tolist()

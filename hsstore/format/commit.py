@@ -119,7 +119,9 @@ class GcReport:
     pruned_manifests: list[int] = field(default_factory=list)
 
 
-def gc(storage: LocalStorage, *, keep_versions: int | None = None, grace_s: float = 60.0) -> GcReport:
+def gc(
+    storage: LocalStorage, *, keep_versions: int | None = None, grace_s: float = 60.0
+) -> GcReport:
     """Remove what no committed version references and no live writer holds.
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``

@@ -147,7 +147,9 @@ class SegmentInfo:
             "num_shards": self.num_shards,
             "committed_at": self.committed_at,
             "files": {
-                k: {"size": v.size, "crc32c": v.crc32c} if v.crc32c is not None else {"size": v.size}
+                k: {"size": v.size, "crc32c": v.crc32c}
+                if v.crc32c is not None
+                else {"size": v.size}
                 for k, v in sorted(self.files.items())
             },
         }
@@ -246,7 +248,7 @@ class Manifest:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise FormatError(f"manifest is not valid JSON ({exc})", path=where) from exc
         if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-            raise FormatError("not an hsstore manifest (missing \"format\": \"hsstore\")", path=where)
+            raise FormatError('not an hsstore manifest (missing "format": "hsstore")', path=where)
         version = obj.get("format_version")
         if isinstance(version, int) and version > FORMAT_VERSION:
             raise UnsupportedVersionError(
@@ -278,7 +280,10 @@ class Manifest:
             )
         if obj["num_samples"] != man.num_samples or obj["num_tokens"] != man.num_tokens:
             raise FormatError("num_samples/num_tokens disagree with the segment list", path=where)
-        if man.layout.layers_per_chunk > man.num_layers or man.num_layers % man.layout.layers_per_chunk:
+        if (
+            man.layout.layers_per_chunk > man.num_layers
+            or man.num_layers % man.layout.layers_per_chunk
+        ):
             raise FormatError("layout.layers_per_chunk must divide the layer count", path=where)
         return man
 

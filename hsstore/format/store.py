@@ -10,6 +10,7 @@ is atomic and fails if the name exists.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import shutil
 import threading
@@ -175,10 +176,8 @@ class LocalStorage(Storage):
         shutil.rmtree(self._abs(prefix), ignore_errors=True)
 
     def delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._abs(key))
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         with self._fd_lock:

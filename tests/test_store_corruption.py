@@ -1,0 +1,153 @@
+"""Damaged files are reported with the file and the affected sample ids, never returned as data."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import hsstore
+from hsstore import LayerSpec
+from tools.synthetic import random_sample
+
+LENGTHS = [40, 90, 7, 200, 33, 120]
+
+
+def _build(path: Path, codec: str) -> hsstore.Dataset:
+    ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(3)], hidden_size=32, dtype=torch.bfloat16,
+                        codec=codec, chunk_bytes=2048, shard_bytes=16384)  # fmt: skip
+    with ds.writer() as w:
+        for i, t in enumerate(LENGTHS):
+            w.add(f"s{i}", *random_sample(t, 2, 32, seed=i))
+    return hsstore.open(path)
+
+
+def _shards(ds: hsstore.Dataset) -> list[Path]:
+    seg = ds.manifest.segments[0].id
+    return sorted(
+        (ds.path / "segments" / seg / "states" / "c").glob("*/0/0"), key=lambda p: int(p.parts[-3])
+    )
+
+
+def _sample_rows(ds: hsstore.Dataset, sid: str) -> tuple[int, int]:
+    i = ds.position(sid)
+    return int(ds._row[i]), int(ds._row[i] + ds._len[i])
+
+
+@pytest.mark.parametrize("codec", ["blosc-zstd", "none"])
+def test_flipped_byte_in_chunk(tmp_path, codec):
+    ds = _build(tmp_path / "ds", codec)
+    shard = _shards(ds)[0]
+    data = bytearray(shard.read_bytes())
+    data[5] ^= 0x40  # inside the first chunk of the first shard: rows 0..rows_per_chunk
+    shard.write_bytes(bytes(data))
+    report = hsstore.verify(tmp_path / "ds")
+    assert not report.ok
+    assert "s0" in report.bad_samples
+    assert any("crc32c" in p.reason and str(shard) in p.where for p in report.problems)
+    untouched = [
+        f"s{i}"
+        for i in range(len(LENGTHS))
+        if _sample_rows(ds, f"s{i}")[0] >= ds.manifest.layout.rows_per_shard
+    ]
+    assert untouched and not set(untouched) & set(report.bad_samples)
+    fresh = hsstore.open(tmp_path / "ds")
+    with pytest.raises(hsstore.IntegrityError) as info:
+        fresh.get("s0")
+    assert info.value.sample_id == "s0"
+
+
+def test_truncated_shard(tmp_path):
+    ds = _build(tmp_path / "ds", "blosc-zstd")
+    shard = _shards(ds)[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    report = hsstore.verify(tmp_path / "ds")
+    assert not report.ok
+    assert any("truncated" in p.reason and str(shard) in p.where for p in report.problems)
+    last = f"s{len(LENGTHS) - 1}"
+    assert last in report.bad_samples
+    with pytest.raises(hsstore.IntegrityError, match="truncated"):
+        hsstore.open(tmp_path / "ds").get(last)
+
+
+def test_missing_shard(tmp_path):
+    ds = _build(tmp_path / "ds", "blosc-zstd")
+    shard = _shards(ds)[1]
+    os.unlink(shard)
+    report = hsstore.verify(tmp_path / "ds")
+    assert any("missing" in p.reason and str(shard) in p.where for p in report.problems)
+    rps = ds.manifest.layout.rows_per_shard
+    hit = {
+        f"s{i}"
+        for i in range(len(LENGTHS))
+        if _sample_rows(ds, f"s{i}")[0] < 2 * rps and _sample_rows(ds, f"s{i}")[1] > rps
+    }
+    assert hit and hit <= set(report.bad_samples)
+
+
+def test_corrupted_index_file(tmp_path):
+    ds = _build(tmp_path / "ds", "none")
+    index = ds.path / "segments" / ds.manifest.segments[0].id / "index.parquet"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    index.write_bytes(bytes(data))
+    report = hsstore.verify(tmp_path / "ds")
+    problems = [p for p in report.problems if str(index) in p.where]
+    assert problems and "crc32c" in problems[0].reason
+    assert f"{len(LENGTHS)} samples" in problems[0].reason  # the ids themselves live in that file
+    with pytest.raises(hsstore.IntegrityError, match="index.parquet"):
+        hsstore.open(tmp_path / "ds")
+
+
+def _latest_manifest(path: Path) -> Path:
+    return sorted((path / "manifests").glob("v*.json"))[-1]
+
+
+def test_corrupted_manifest_json(tmp_path):
+    _build(tmp_path / "ds", "none")
+    man = _latest_manifest(tmp_path / "ds")
+    man.write_bytes(man.read_bytes()[:-20])
+    with pytest.raises(hsstore.FormatError, match="not valid JSON") as info:
+        hsstore.open(tmp_path / "ds")
+    assert str(man) in str(info.value)
+    report = hsstore.verify(tmp_path / "ds")
+    assert any(p.kind == "manifest" and str(man) in p.where for p in report.problems)
+
+
+def test_schema_invalid_manifest(tmp_path):
+    _build(tmp_path / "ds", "none")
+    man = _latest_manifest(tmp_path / "ds")
+    doc = json.loads(man.read_text())
+    doc["layers"][0]["depth"] = -3
+    man.write_text(json.dumps(doc))
+    with pytest.raises(hsstore.SchemaError, match="layers/0/depth"):
+        hsstore.open(tmp_path / "ds")
+    assert not hsstore.verify(tmp_path / "ds").ok
+
+
+def test_future_format_version_is_refused(tmp_path):
+    _build(tmp_path / "ds", "none")
+    man = _latest_manifest(tmp_path / "ds")
+    doc = json.loads(man.read_text())
+    doc["format_version"] = 99
+    man.write_text(json.dumps(doc))
+    with pytest.raises(hsstore.UnsupportedVersionError, match="format version 99"):
+        hsstore.open(tmp_path / "ds")
+
+
+def test_not_a_dataset(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(hsstore.NotADatasetError, match="not an hsstore dataset"):
+        hsstore.open(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError):
+        hsstore.open(tmp_path / "missing")
+
+
+def test_clean_dataset_verifies(tmp_path):
+    _build(tmp_path / "ds", "blosc-zstd")
+    report = hsstore.verify(tmp_path / "ds")
+    assert report.ok and report.samples_checked == len(LENGTHS)
+    assert report.bytes_read > 0 and report.to_json()["ok"] is True
