@@ -301,6 +301,19 @@ class Dataset:
                 )
         return out
 
+    def read_tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of sample ``i`` as int64, without decoding any state.
+
+        The token columns of a segment are decoded once and cached, so a pass over every sample
+        (building a vocabulary, counting loss tokens) costs a few bytes per token.
+        """
+        i = self._check_position(i)
+        reader = self._readers[self._segment[i]]
+        row, n = int(self._row[i]), int(self._len[i])
+        ids = reader.column("input_ids")[row : row + n].astype(np.int64)
+        mask = reader.column("loss_mask")[row : row + n].astype(np.int64)
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
     ) -> torch.Tensor:
