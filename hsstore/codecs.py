@@ -39,7 +39,9 @@ class CodecConfig:
     name: str = "blosc-zstd"
     clevel: int = 1
     shuffle: str = "shuffle"
-    blocksize: int = 0  # 0 lets blosc choose; chunks are ~1 MiB anyway
+    # One blosc block per ~1 MiB chunk: blosc's automatic choice (blocksize 0) picks small
+    # blocks, which both compresses worse (1.26x vs 1.45x on activations) and decodes 4x slower.
+    blocksize: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.name not in CODEC_NAMES:
@@ -69,7 +71,7 @@ class CodecConfig:
             name=obj["name"],
             clevel=int(obj.get("clevel", 1)),
             shuffle=obj.get("shuffle", "shuffle"),
-            blocksize=int(obj.get("blocksize", 0)),
+            blocksize=int(obj.get("blocksize", 1 << 20)),
         )
 
     def zarr_codecs(self, itemsize: int) -> list[dict[str, Any]]:

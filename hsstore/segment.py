@@ -365,6 +365,9 @@ class SegmentReader:
         for pos, layer in enumerate(wanted):
             by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
+        if whole_rows and not man.codec.compressed:
+            self._read_raw_rows(start, stop, out_bytes)
+            return
 
         for c in range(start // rpc, (stop - 1) // rpc + 1):
             crow0 = c * rpc
@@ -379,16 +382,6 @@ class SegmentReader:
                         f"chunk ({c}, {j}) of committed rows is missing",
                         path=self.storage.path_of(key),
                     )
-                if whole_rows and not man.codec.compressed:
-                    # Raw bytes of the wanted rows sit contiguously: read them straight into out.
-                    # (The whole-sample checksum verifies them; a partial chunk has no crc.)
-                    dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
-                    got = self.storage.read_into(
-                        key, offset + (lo - crow0) * self._row_bytes_chunk, dst
-                    )
-                    if got != len(dst):
-                        raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-                    continue
                 encoded = self._scratch("enc", nbytes)
                 if self.storage.read_into(key, offset, encoded) != nbytes:
                     raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
@@ -408,3 +401,43 @@ class SegmentReader:
                 else:
                     for pos, within in positions:
                         out[lo - start : hi - start, pos] = rows[:, within]
+
+    def _read_raw_rows(self, start: int, stop: int, out_bytes: np.ndarray) -> None:
+        """Uncompressed, all layers: the wanted rows of consecutive chunks sit back to back in
+        the shard, separated only by each chunk's 4-byte crc32c, so a whole run of chunks is one
+        scatter read straight into ``out`` (crc bytes go to a junk buffer). The whole-sample
+        checksum verifies the bytes, since a partial chunk cannot be checked against its crc.
+        """
+        layout = self.manifest.layout
+        rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, self._row_bytes_chunk
+        junk = self._scratch("junk", 64)
+        c, last = start // rpc, (stop - 1) // rpc
+        while c <= last:
+            shard = c // cps
+            idx = self.shard_index(shard)
+            key = self._key(paths.shard_relpath(shard))
+            run: list[memoryview] = []
+            run_start = prev_end = -1
+            while c <= last and c // cps == shard and len(run) < 1000:
+                offset, nbytes = (int(v) for v in idx[c % cps, 0])
+                if offset == zarr_meta.EMPTY:
+                    raise IntegrityError(
+                        f"chunk ({c}, 0) of committed rows is missing",
+                        path=self.storage.path_of(key),
+                    )
+                crow0 = c * rpc
+                lo, hi = max(start, crow0), min(stop, crow0 + rpc)
+                file_start = offset + (lo - crow0) * rb
+                if run:
+                    gap = file_start - prev_end
+                    if not 0 <= gap <= len(junk):
+                        break
+                    if gap:
+                        run.append(junk[:gap])
+                else:
+                    run_start = file_start
+                run.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
+                prev_end = file_start + (hi - lo) * rb
+                c += 1
+            if self.storage.read_scatter(key, run_start, run) != prev_end - run_start:
+                raise IntegrityError("shard is truncated", path=self.storage.path_of(key))

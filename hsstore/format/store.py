@@ -32,6 +32,16 @@ class Storage(abc.ABC):
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
         """Read ``len(out)`` bytes at ``offset`` into ``out``; returns the bytes read."""
 
+    def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
+        """Read consecutive bytes at ``offset`` into several buffers in turn (one request)."""
+        total = 0
+        for buf in buffers:
+            got = self.read_into(key, offset + total, buf)
+            total += got
+            if got < len(buf):
+                break
+        return total
+
     @abc.abstractmethod
     def size(self, key: str) -> int: ...
 
@@ -110,6 +120,22 @@ class LocalStorage(Storage):
                 break
             total += n
         return total
+
+    def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
+        fd = self._fd(key)
+        want = sum(len(b) for b in buffers)
+        n = os.preadv(fd, buffers, offset)
+        if n == want or n == 0:
+            return n
+        # A short read (signal, page-cache pressure): finish buffer by buffer.
+        done, rest = 0, []
+        for b in buffers:
+            if done + len(b) <= n:
+                done += len(b)
+            else:
+                rest.append(b[max(0, n - done) :])
+                done += len(b)
+        return n + super().read_scatter(key, offset + n, rest)
 
     def size(self, key: str) -> int:
         return os.stat(self._abs(key)).st_size
