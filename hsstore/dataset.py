@@ -435,7 +435,7 @@ class Writer:
         hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
         if self._segment is None:
             self._segment = self._new_segment()
-        self._segment.add(sample_id, ids, mask, hid, storage_view(hid), source)
+        self._segment.add(sample_id, ids, mask, storage_view(hid), source)
         self._new_ids.add(sample_id)
         if self._segment.raw_bytes() >= self.segment_bytes:
             self._finish_segment()

@@ -80,7 +80,7 @@ class SegmentWriter:
     def __post_init__(self) -> None:
         layout = self.manifest.layout
         self._codec = ChunkCodec(self.manifest.codec, self.manifest.storage_dtype.itemsize)
-        self._stats = StatsAccumulator(self.manifest.num_layers)
+        self._stats = StatsAccumulator(self.manifest.num_layers, self.manifest.dtype)
         expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
         if self.shard_buffer.shape != expected:
             raise FormatError(f"shard buffer shape {self.shard_buffer.shape} != {expected}")
@@ -102,12 +102,11 @@ class SegmentWriter:
         sample_id: str,
         input_ids: np.ndarray,
         loss_mask: np.ndarray,
-        hidden_logical: object,
         hidden: np.ndarray,
         source: str | None,
     ) -> None:
-        """Append one validated sample: ``hidden`` is the storage view of ``hidden_logical``."""
-        flags = self._stats.update(hidden_logical)  # type: ignore[arg-type]
+        """Append one validated sample; ``hidden`` is [T, L, H] in the storage dtype."""
+        flags = self._stats.update(hidden)
         checksum = sample_checksum(hidden, input_ids, loss_mask)
         t = hidden.shape[0]
         self._samples.append(

@@ -1,8 +1,8 @@
 """Streaming per-layer statistics, recorded at write time so auditing a terabyte is instant.
 
-Cost is kept to a few percent of writing: one fast pass computes every row's abs-max (which
-yields exact counts of all-zero and non-finite rows and an exact histogram of row magnitudes),
-and moments (mean, std, RMS, min, max) come from every ``sample_every``-th row.
+Cost is kept to a few percent of writing: one pass over the bit patterns computes every row's
+abs-max (which yields exact counts of all-zero and non-finite rows and an exact histogram of
+row magnitudes), and moments (mean, std, RMS, min, max) come from every ``sample_every``-th row.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 # Row abs-max histogram: bin k counts rows with floor(log2(absmax)) == HIST_MIN_EXP + k
 # (clipped into the end bins); zero rows and non-finite rows are counted apart.
@@ -109,53 +109,69 @@ class RowFlags:
     nonfinite_rows: int
 
 
+# Per storage dtype: (unsigned view, abs mask, smallest non-finite pattern, mantissa bits,
+# exponent bias). Everything below works on the bit patterns, in numpy: exact, and ~5x faster
+# than float passes in torch (and it leaves torch's thread pool alone while encoders run).
+_BITS = {
+    "bfloat16": (np.dtype("<u2"), 0x7FFF, 0x7F80, 7, 127),
+    "float16": (np.dtype("<u2"), 0x7FFF, 0x7C00, 10, 15),
+    "float32": (np.dtype("<u4"), 0x7FFFFFFF, 0x7F800000, 23, 127),
+}
+
+
+def _to_float32(bits: np.ndarray, dtype_name: str) -> np.ndarray:
+    if dtype_name == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype_name == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
+
+
 class StatsAccumulator:
     """Accumulates `LayerStats` for every layer of the samples a segment receives."""
 
-    def __init__(self, num_layers: int, *, sample_every: int = 8):
+    def __init__(self, num_layers: int, dtype_name: str = "bfloat16", *, sample_every: int = 8):
         self.layers = [LayerStats() for _ in range(num_layers)]
         self.sample_every = sample_every
+        self.dtype_name = dtype_name
         self._phase = 0  # keeps the row sampling uniform across sample boundaries
+        self._scratch = np.empty(0, dtype=_BITS[dtype_name][0])
 
-    def update(self, hidden: torch.Tensor) -> RowFlags:
-        """``hidden``: [T, L, H] in the logical dtype."""
-        rowmax = hidden.abs().amax(dim=-1).float()  # [T, L]; NaN and inf propagate
-        finite = torch.isfinite(rowmax)
+    def update(self, stored: np.ndarray) -> RowFlags:
+        """``stored``: one sample's states [T, L, H] in the storage dtype."""
+        udtype, abs_mask, nonfinite_at, mantissa, bias = _BITS[self.dtype_name]
+        bits = stored.view(udtype)
+        t, n_layers, _ = bits.shape
+        if self._scratch.size < bits.size:
+            self._scratch = np.empty(bits.size, dtype=udtype)
+        absbits = np.bitwise_and(bits, abs_mask, out=self._scratch[: bits.size].reshape(bits.shape))
+        rowmax = absbits.max(axis=-1)  # [T, L]; bit order = magnitude order for IEEE floats
+        nonfinite = rowmax >= nonfinite_at
         zero = rowmax == 0
-        nonfinite_per_layer = (~finite).sum(0).tolist()
-        zero_per_layer = zero.sum(0).tolist()
-        good = finite & ~zero
-        exps = torch.floor(torch.log2(rowmax.clamp_min(2.0**HIST_MIN_EXP)))
-        bins = (exps.clamp(HIST_MIN_EXP, HIST_MAX_EXP) - HIST_MIN_EXP).long()
+        good = ~nonfinite & ~zero
+        exps = (rowmax >> mantissa).astype(np.int64) - bias
+        bins = np.clip(exps, HIST_MIN_EXP, HIST_MAX_EXP) - HIST_MIN_EXP
 
         start = (-self._phase) % self.sample_every
-        sampled = hidden[start :: self.sample_every].float()  # [t, L, H]
-        self._phase = (self._phase + hidden.shape[0]) % self.sample_every
-        if sampled.shape[0]:
-            ok_rows = torch.isfinite(sampled).all(dim=-1)  # [t, L]
-            clean = torch.where(
-                ok_rows.unsqueeze(-1), sampled, torch.zeros((), dtype=sampled.dtype)
-            )
-            sums = clean.sum(dim=(0, 2)).double().tolist()
-            sumsqs = clean.double().pow(2).sum(dim=(0, 2)).tolist()
-            counts = (ok_rows.sum(0) * hidden.shape[-1]).tolist()
-            big = torch.finfo(torch.float32).max
-            mins = torch.where(ok_rows.unsqueeze(-1), sampled, big).amin(dim=(0, 2)).tolist()
-            maxs = torch.where(ok_rows.unsqueeze(-1), sampled, -big).amax(dim=(0, 2)).tolist()
-        for layer_index, st in enumerate(self.layers):
-            st.rows += hidden.shape[0]
-            st.zero_rows += int(zero_per_layer[layer_index])
-            st.nonfinite_rows += int(nonfinite_per_layer[layer_index])
-            hist = torch.bincount(bins[:, layer_index][good[:, layer_index]], minlength=HIST_BINS)
-            st.rowmax_hist = [a + int(b) for a, b in zip(st.rowmax_hist, hist.tolist())]
-            if sampled.shape[0] and counts[layer_index]:
-                st.sampled_values += int(counts[layer_index])
-                st.sum += sums[layer_index]
-                st.sumsq += sumsqs[layer_index]
-                st.min = min(st.min, mins[layer_index])
-                st.max = max(st.max, maxs[layer_index])
+        sampled_bits = bits[start :: self.sample_every]
+        self._phase = (self._phase + t) % self.sample_every
+        ok_rows = ~nonfinite[start :: self.sample_every]  # [t', L]
+        sampled = _to_float32(sampled_bits, self.dtype_name)
+        for layer, st in enumerate(self.layers):
+            st.rows += t
+            st.zero_rows += int(zero[:, layer].sum())
+            st.nonfinite_rows += int(nonfinite[:, layer].sum())
+            hist = np.bincount(bins[good[:, layer], layer], minlength=HIST_BINS)
+            st.rowmax_hist = [a + int(b) for a, b in zip(st.rowmax_hist, hist)]
+            values = sampled[ok_rows[:, layer], layer]  # [t'', H]
+            if values.size:
+                st.sampled_values += int(values.size)
+                st.sum += float(values.sum(dtype=np.float64))
+                st.sumsq += float(np.square(values, dtype=np.float64).sum())
+                st.min = min(st.min, float(values.min()))
+                st.max = max(st.max, float(values.max()))
         return RowFlags(
-            zero_rows=int(zero.any(dim=1).sum()), nonfinite_rows=int((~finite).any(dim=1).sum())
+            zero_rows=int(zero.any(axis=1).sum()), nonfinite_rows=int(nonfinite.any(axis=1).sum())
         )
 
     def to_json(self) -> dict[str, Any]:

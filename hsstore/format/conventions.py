@@ -6,18 +6,17 @@ which residual-stream position it is. Every stored state is therefore described 
 N = every layer) and whether the model's final norm was applied on top. These functions translate
 a producer's own ids into that form (keeping the id and convention as provenance) and back.
 
-The mappings (sources cited in docs/LAYERS.md), for a model with N decoder layers:
+The mappings (sources cited in docs/LAYERS.md), for a model with N decoder layers; id v maps to:
 
-========================  ==========================================  =======================
-convention                id ``v`` means                              depth, final_norm
-========================  ==========================================  =======================
-``hf``                    ``output_hidden_states[v]`` (v may be <0)   v, v == N
-``vllm``                  residual entering decoder layer v           v, False   (0 <= v <= N)
-``speculators``           output of decoder layer v (0-based), v1     v + 1, False
-``sglang-llama``          id passed to sglang, captured at layer v+1  v + 1, False
-``sglang-deepseek``       +1 only when the first id is 1, else as-is  v + 1 or v, False
-``specforge``             aux ids as sglang-llama; id N = final       v + 1, False; N, True
-========================  ==========================================  =======================
+- ``hf``: ``output_hidden_states[v]`` (v may be negative) -> depth v, final_norm iff v == N.
+- ``vllm``: the residual stream entering decoder layer v (vLLM's eagle3 aux ids, speculators
+  0.5+) -> depth v, pre-norm, 0 <= v <= N.
+- ``speculators``: the output of decoder layer v, 0-based (speculators v1 files)
+  -> depth v + 1, pre-norm, 0 <= v < N.
+- ``sglang-llama``: the id passed to sglang, which captures the input of layer v + 1
+  -> depth v + 1, pre-norm, -1 <= v < N.
+- ``sglang-deepseek``: as sglang-llama when the first id is 1, otherwise depth v.
+- ``specforge``: aux ids as sglang-llama; id N names the stored final state (post-norm).
 
 The deepseek rule depends on the whole list, so every function takes the whole list of ids.
 """
@@ -58,15 +57,15 @@ def normalize_convention(name: str) -> str:
     key = name.strip().lower().replace("_", "-")
     key = _ALIASES.get(key, key)
     if key not in CONVENTIONS:
-        raise ConventionError(
-            f"unknown layer convention {name!r}; known: {', '.join(CONVENTIONS)}"
-        )
+        raise ConventionError(f"unknown layer convention {name!r}; known: {', '.join(CONVENTIONS)}")
     return key
 
 
 def _check_n(num_hidden_layers: int) -> None:
     if not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
-        raise ConventionError(f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}")
+        raise ConventionError(
+            f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}"
+        )
 
 
 def _deepseek_shifts(ids: Sequence[int]) -> bool:
@@ -74,9 +73,7 @@ def _deepseek_shifts(ids: Sequence[int]) -> bool:
     return len(ids) > 0 and ids[0] == 1
 
 
-def to_canonical(
-    convention: str, ids: Sequence[int], num_hidden_layers: int
-) -> list[LayerSpec]:
+def to_canonical(convention: str, ids: Sequence[int], num_hidden_layers: int) -> list[LayerSpec]:
     """Translate a producer's layer ids into canonical specs, in the given order.
 
     The result keeps ``source_convention`` and ``source_id`` so the original naming survives.
@@ -105,10 +102,10 @@ def to_canonical(
             else:
                 depth = v + 1
         if depth < 0 or depth > n or (conv == SPECULATORS and v < 0):
-            raise ConventionError(
-                f"{conv} layer id {v} is outside a model with {n} decoder layers"
-            )
-        out.append(LayerSpec(depth=depth, final_norm=final_norm, source_convention=conv, source_id=v))
+            raise ConventionError(f"{conv} layer id {v} is outside a model with {n} decoder layers")
+        out.append(
+            LayerSpec(depth=depth, final_norm=final_norm, source_convention=conv, source_id=v)
+        )
     return out
 
 
@@ -149,9 +146,9 @@ def from_canonical(
         if conv == VLLM:
             ids.append(spec.depth)
         else:  # speculators, sglang-llama, specforge: id v means depth v + 1
-            if spec.depth == 0:
+            if spec.depth == 0 and conv == SPECULATORS:
                 raise refuse(spec, "its ids start at the output of the first decoder layer")
-            ids.append(spec.depth - 1)
+            ids.append(spec.depth - 1)  # sglang captures the embeddings (depth 0) for id -1
     return ids
 
 

@@ -1,0 +1,112 @@
+"""`hsstore convert SRC DST`: foreign hidden states into hsstore, or hsstore out to speculators v1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hsstore.cli._common import emit_json, handle_errors
+
+FORMATS = ("hsstore", "speculators-v1", "specforge", "speculators-arrow")
+
+
+def _parse_ids(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected integers like 2,16,29,31, got {value!r}") from None
+
+
+@click.command("convert")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option(
+    "--from", "src_format", type=click.Choice(FORMATS), help="Source format (default: detected)."
+)
+@click.option(
+    "--to",
+    "dst_format",
+    type=click.Choice(("hsstore", "speculators-v1")),
+    help="Target format (default: hsstore, or speculators-v1 when SRC is an hsstore dataset).",
+)
+@click.option(
+    "--layer-ids",
+    help="Source layer ids in the source's own convention, e.g. 2,16,29,31. Required when the "
+    "source does not record them (v1 without data_config.json, SpecForge, speculators 0.5+).",
+)
+@click.option("--num-hidden-layers", type=int, help="Decoder layers of the target model.")
+@click.option("--model", "model_name", help="Target model name to record in the manifest.")
+@click.option("--codec", help="Codec of a new dataset (default: the store's lossless default).")
+@click.option("--workers", type=int, help="Reader threads (default: one per core, at most 8).")
+@click.option(
+    "--commit-every",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Commit after this many samples.",
+)
+@click.option(
+    "--commit-gb", type=float, default=1.0, show_default=True, help="...or this many GB of states."
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(("fail", "skip")),
+    default="fail",
+    show_default=True,
+    help="fail: list every bad file, then exit 2; skip: leave them out and record them.",
+)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@handle_errors
+def command(
+    src: Path,
+    dst: Path,
+    src_format: str | None,
+    dst_format: str | None,
+    layer_ids: str | None,
+    num_hidden_layers: int | None,
+    model_name: str | None,
+    codec: str | None,
+    workers: int | None,
+    commit_every: int,
+    commit_gb: float,
+    on_error: str,
+    progress: bool,
+    as_json: bool,
+) -> None:
+    """Convert SRC into DST (resumable: rerun the same command after an interruption)."""
+    from hsstore.convert import convert
+
+    def report(name: str, reason: str) -> None:
+        label = "skipped" if on_error == "skip" else "bad input"
+        click.echo(f"{label}: {src / name}: {reason}", err=True)
+
+    # With --on-error fail, ConvertFailed reaches handle_errors after report() listed each file.
+    result = convert(
+        src,
+        dst,
+        src_format=src_format,
+        dst_format=dst_format,
+        layer_ids=_parse_ids(layer_ids),
+        num_hidden_layers=num_hidden_layers,
+        model_name=model_name,
+        codec=codec,
+        workers=workers,
+        commit_every=commit_every,
+        commit_bytes=max(1, int(commit_gb * 1e9)),
+        on_error=on_error,
+        progress=progress,
+        on_problem=report,
+    )
+    if as_json:
+        emit_json(result.to_json())
+    else:
+        rate = result.bytes_read / result.seconds / 1e9 if result.seconds else 0.0
+        click.echo(
+            f"{result.source_format} -> {result.dest_format}: {result.added} added, "
+            f"{result.already_present} already present, {len(result.skipped)} skipped; "
+            f"{result.total_samples} samples in {result.dest} ({result.seconds:.1f} s, {rate:.2f} GB/s)"
+        )

@@ -1,0 +1,313 @@
+"""What every foreign-format reader shares: the item it yields and the checks it applies.
+
+A reader turns one foreign file into a :class:`SourceItem` in hsstore's shape (hidden as
+``[T, L, H]``) or raises :class:`BadInputError` naming the file and the problem. Keeping the
+validation here means every format rejects the same defects with the same words.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import re
+import zipfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hsstore.errors import BadInputError
+from hsstore.format.layers import LayerSpec
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Same-width integer view of each float dtype, and the smallest |x| bit pattern that is Inf/NaN
+# (exponent all ones): a value is finite iff (bits & sign_off) < that pattern.
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
+@dataclass
+class SourceItem:
+    """One sample of a foreign dataset, already in hsstore's shape."""
+
+    sample_id: str
+    name: str  # the file it came from, relative to the source directory
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # int64 0/1 [T]
+    hidden: torch.Tensor  # [T, L, H] in the reader's dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.hidden.numel() * self.hidden.element_size()
+
+
+class SourceReader(ABC):
+    """A foreign dataset opened read-only: metadata up front, samples on demand.
+
+    Attributes: ``format`` (its name), ``path`` (the directory), ``layers`` (canonical, with the
+    source's own ids as provenance), ``hidden_size``, ``dtype``, ``model`` (what the source says
+    about the target model, or None). ``read`` is safe to call from several threads at once.
+    """
+
+    format: str
+    path: Path
+    layers: list[LayerSpec]
+    hidden_size: int
+    dtype: torch.dtype
+    model: dict | None
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """File names (relative to ``path``) in stable order; ``read(i)`` reads ``names()[i]``."""
+
+    def sample_ids(self) -> list[str]:
+        """The sample id ``read(i)`` will give, for every i, without reading any sample."""
+        return [
+            strip_suffix(n.rsplit("/", 1)[-1], (".pt", ".ckpt", ".ckpt.gz", ".safetensors"))
+            for n in self.names()
+        ]
+
+    @abstractmethod
+    def read(self, i: int) -> SourceItem:
+        """Load and validate sample i; raise BadInputError(path=file) if it is malformed."""
+
+    def provenance(self) -> dict[str, Any]:
+        """What a converted dataset should remember about this source."""
+        return {"source_format": self.format, "source": str(self.path)}
+
+
+# ----------------------------------------------------------------------------- file discovery
+
+_INDEX_RE = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders data_2 before data_10 (the producers number files by sample)."""
+    parts = _INDEX_RE.split(name)
+    return tuple(int(p) if p.isdigit() else p for p in parts)
+
+
+def file_index(stem: str, prefix: str) -> int | None:
+    """The i in ``{prefix}{i}``, or None when the stem does not follow that pattern."""
+    if not stem.startswith(prefix):
+        return None
+    rest = stem[len(prefix) :]
+    return int(rest) if rest.isdigit() else None
+
+
+def unique_stems(paths: list[Path], root: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
+    """Map each file's stem (name minus suffix) to its path; duplicate stems are an error.
+
+    Stems are the sample ids of converted data, so they must be unique across subfolders.
+    """
+    out: dict[str, Path] = {}
+    for p in paths:
+        stem = strip_suffix(p.name, suffixes)
+        if stem in out:
+            raise BadInputError(
+                f"two files would get sample id {stem!r}: "
+                f"{out[stem].relative_to(root)} and {p.relative_to(root)}",
+                path=str(root),
+            )
+        out[stem] = p
+    return out
+
+
+def strip_suffix(name: str, suffixes: tuple[str, ...]) -> str:
+    for s in sorted(suffixes, key=len, reverse=True):
+        if name.endswith(s):
+            return name[: -len(s)]
+    return name
+
+
+# ----------------------------------------------------------------------------- safe loading
+
+
+def load_torch_file(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` (mmap for plain files), never unsafe unpickling.
+
+    Every failure becomes a BadInputError that says what is wrong with the file.
+    """
+    name = str(path)
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                raw = f.read()
+            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+        if not zipfile.is_zipfile(path):
+            raise BadInputError(_not_zip_reason(path), path=name)
+        return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except BadInputError:
+        raise
+    except FileNotFoundError:
+        raise BadInputError("file is missing", path=name) from None
+    except (gzip.BadGzipFile, EOFError, zlib_error()) as exc:
+        raise BadInputError(f"corrupt or truncated gzip file ({exc})", path=name) from None
+    except pickle.UnpicklingError as exc:
+        m = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f" (unsupported global {m.group(1)})" if m else ""
+        raise BadInputError(
+            "refused by torch.load(weights_only=True): the pickle holds objects other than "
+            f"tensors and plain containers{detail}; hsstore never unpickles unsafely",
+            path=name,
+        ) from None
+    except (RuntimeError, ValueError, OSError, zipfile.BadZipFile) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BadInputError(f"truncated or corrupt torch.save archive ({msg})", path=name) from None
+
+
+def zlib_error() -> type[Exception]:
+    import zlib
+
+    return zlib.error
+
+
+def _not_zip_reason(path: Path) -> str:
+    size = path.stat().st_size
+    if size == 0:
+        return "empty file (0 bytes), not a torch.save archive"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] == b"PK":
+        return "truncated or corrupt torch.save archive (zip central directory missing)"
+    if head[:1] == b"\x80":
+        return "legacy (non-zip) torch.save file; re-save it with a current torch"
+    return "not a torch.save archive (not a zip file)"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def require_keys(obj: Any, keys: tuple[str, ...], path: str) -> dict:
+    if not isinstance(obj, dict):
+        raise BadInputError(f"expected a dict of tensors, found {type(obj).__name__}", path=path)
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise BadInputError(
+            f"missing key(s) {', '.join(map(repr, missing))}; found {sorted(map(str, obj))}",
+            path=path,
+        )
+    return obj
+
+
+def check_tokens(
+    input_ids: Any, loss_mask: Any, path: str, *, strict_dtype: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate input_ids/loss_mask as 1-D int64 of equal length with a 0/1 mask.
+
+    With ``strict_dtype=False`` (formats that store masks as bool or int32), integer and bool
+    masks are widened to int64, which is lossless.
+    """
+    for key, t in (("input_ids", input_ids), ("loss_mask", loss_mask)):
+        if not isinstance(t, torch.Tensor):
+            raise BadInputError(f"{key} is a {type(t).__name__}, expected a tensor", path=path)
+    if input_ids.dim() == 2 and input_ids.shape[0] == 1 and not strict_dtype:
+        input_ids = input_ids[0]
+    if loss_mask.dim() == 2 and loss_mask.shape[0] == 1 and not strict_dtype:
+        loss_mask = loss_mask[0]
+    for key, t in (("input_ids", input_ids), ("loss_mask", loss_mask)):
+        if t.dim() != 1:
+            raise BadInputError(f"{key} has shape {list(t.shape)}, expected [T]", path=path)
+        if t.dtype != torch.int64:
+            ok = not strict_dtype and (t.dtype == torch.bool or not t.is_floating_point())
+            if not ok:
+                raise BadInputError(f"{key} has dtype {t.dtype}, expected torch.int64", path=path)
+    if len(input_ids) == 0:
+        raise BadInputError("empty sample (0 tokens)", path=path)
+    if len(loss_mask) != len(input_ids):
+        raise BadInputError(
+            f"loss_mask has {len(loss_mask)} tokens but input_ids has {len(input_ids)}", path=path
+        )
+    loss_mask = loss_mask.to(torch.int64)
+    if bool(((loss_mask != 0) & (loss_mask != 1)).any()):
+        raise BadInputError("loss_mask holds values other than 0 and 1", path=path)
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= 2**31:
+        raise BadInputError(f"input_ids hold {lo if lo < 0 else hi}, outside [0, 2^31)", path=path)
+    return input_ids.to(torch.int64), loss_mask
+
+
+def check_hidden(
+    hidden: torch.Tensor,
+    num_tokens: int,
+    num_layers: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    path: str,
+) -> None:
+    """Validate a [T, L, H] hidden tensor: shape, dtype and finiteness."""
+    if hidden.dtype != dtype:
+        raise BadInputError(f"hidden states have dtype {hidden.dtype}, expected {dtype}", path=path)
+    expect = [num_tokens, num_layers, hidden_size]
+    if list(hidden.shape) != expect:
+        raise BadInputError(
+            f"hidden states have shape {list(hidden.shape)}, expected [T, L, H] = {expect}",
+            path=path,
+        )
+    check_finite(hidden, path)
+
+
+def check_layer_tensor(
+    t: Any, k: int, num_tokens: int, hidden_size: int, dtype: torch.dtype, path: str
+) -> None:
+    """Validate one per-layer [T, H] tensor (the v1 list layout)."""
+    if not isinstance(t, torch.Tensor):
+        raise BadInputError(
+            f"hidden_states[{k}] is a {type(t).__name__}, expected a tensor", path=path
+        )
+    if t.dtype != dtype:
+        raise BadInputError(f"hidden_states[{k}] has dtype {t.dtype}, expected {dtype}", path=path)
+    if t.dim() != 2 or t.shape[1] != hidden_size:
+        raise BadInputError(
+            f"hidden_states[{k}] has shape {list(t.shape)}, expected [T, {hidden_size}]", path=path
+        )
+    if t.shape[0] != num_tokens:
+        raise BadInputError(
+            f"hidden_states[{k}] has {t.shape[0]} tokens but input_ids has {num_tokens}", path=path
+        )
+
+
+def int_view(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a float tensor as a numpy integer array (no copy).
+
+    Bulk copies and checks run in numpy on these views: numpy is single-threaded and fast on
+    integers, while torch's intra-op pool oversubscribes the cores our own threads already use.
+    """
+    return t.view(_BITS[t.dtype][0]).numpy()
+
+
+def stack_layers(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.stack(tensors, dim=1) for [T, H] tensors, copied through numpy integer views."""
+    t, h = tensors[0].shape
+    out = torch.empty((t, len(tensors), h), dtype=dtype)
+    dst = int_view(out)
+    for k, x in enumerate(tensors):
+        dst[:, k, :] = int_view(x)
+    return out
+
+
+def check_finite(t: torch.Tensor, path: str, what: str = "hidden states") -> None:
+    """Reject NaN/Inf by testing the exponent bits (one integer pass, no float temporaries)."""
+    _, sign_off, first_bad = _BITS[t.dtype]
+    bits = int_view(t.contiguous()).reshape(-1)
+    if bits.size == 0 or int(np.bitwise_and(bits, sign_off).max()) < first_bad:
+        return
+    bad = ~torch.isfinite(t)
+    kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+    where = bad.nonzero()[0].tolist()
+    raise BadInputError(f"{what} contain {kind} (first at index {where})", path=path)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
