@@ -1,0 +1,1 @@
+"""Reference trainers fed by ``hsstore.loader`` (not part of the core library)."""
