@@ -28,7 +28,15 @@ from hsstore.errors import (
 )
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.layers import LayerSpec
-from hsstore.format.manifest import DTYPES, Layout, Manifest, ModelInfo, dtype_name, now_iso
+from hsstore.format.manifest import (
+    DTYPES,
+    Layout,
+    Manifest,
+    ModelInfo,
+    SegmentInfo,
+    dtype_name,
+    now_iso,
+)
 from hsstore.format.store import LocalStorage
 from hsstore.segment import SegmentReader, SegmentWriter, sample_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
@@ -130,7 +138,18 @@ def create(
 def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
     ds = Dataset(path)
     have = ds.manifest
-    for what in ("hidden_size", "dtype", "layers"):
+
+    def semantics(m: Manifest) -> list[tuple[int, bool]]:
+        # Canonical meaning only: the same state named in another convention is the same state.
+        return [(layer.depth, layer.final_norm) for layer in m.layers]
+
+    if semantics(have) != semantics(wanted):
+        raise ConflictError(
+            f"existing dataset stores layers {semantics(have)} (depth, final_norm), asked for "
+            f"{semantics(wanted)}",
+            path=str(path),
+        )
+    for what in ("hidden_size", "dtype"):
         if getattr(have, what) != getattr(wanted, what):
             raise ConflictError(
                 f"existing dataset has {what}={getattr(have, what)!r}, asked for "
@@ -408,8 +427,9 @@ class Writer:
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
         self._locks: dict[str, commit.SegmentLock] = {}
-        self._finished: list = []
+        self._finished: list[SegmentInfo] = []
         self._skipped: list[dict[str, str]] = []
+        self._bytes_committed = 0
         self._closed = False
 
     # -- adding ----------------------------------------------------------------------------
@@ -492,6 +512,12 @@ class Writer:
             mask.numpy().astype("<u1"),
         )
 
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this writer has put on disk so far (compressed), committed or not."""
+        done = sum(f.size for seg in self._finished for f in seg.files.values())
+        return self._bytes_committed + done + (self._segment.bytes_written if self._segment else 0)
+
     def record_skipped(self, name: str, reason: str) -> None:
         """Note an input that was not added; it is written to the manifest's provenance."""
         self._skipped.append({"name": str(name), "reason": str(reason)})
@@ -547,6 +573,7 @@ class Writer:
             self.abort()
             raise
         for seg in mine:
+            self._bytes_committed += sum(f.size for f in seg.files.values())
             self._locks.pop(seg.id).release()
             self._known_segments.add(seg.id)
         self._committed_ids |= my_ids

@@ -89,6 +89,10 @@ class SegmentWriter:
     def num_samples(self) -> int:
         return len(self._samples)
 
+    @property
+    def bytes_written(self) -> int:
+        return sum(f.size for f in self._files.values())
+
     def raw_bytes(self) -> int:
         return (
             self.rows

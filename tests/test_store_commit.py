@@ -206,3 +206,24 @@ def test_skipped_inputs_land_in_provenance(tmp_path):
         w.record_skipped("data_3.pt", "truncated zip")
     prov = hsstore.open(tmp_path / "ds").manifest.provenance
     assert prov["skipped"] == [{"name": "data_3.pt", "reason": "truncated zip"}]
+
+
+def test_reopen_with_layers_named_in_another_convention(tmp_path):
+    path = tmp_path / "ds"
+    _make(path)
+    renamed = [LayerSpec(1, source_convention="speculators", source_id=0), LayerSpec(4)]
+    ds = hsstore.create(path, layers=renamed, hidden_size=32, dtype="bfloat16", exist_ok=True)
+    assert [layer.depth for layer in ds.layers] == [1, 4]
+    with pytest.raises(hsstore.ConflictError, match="depth, final_norm"):
+        hsstore.create(path, layers=[LayerSpec(2), LayerSpec(4)], hidden_size=32, dtype="bfloat16", exist_ok=True)
+
+
+def test_bytes_written_counts_what_reached_disk(tmp_path):
+    ds = _make(tmp_path / "ds")
+    with ds.writer() as w:
+        assert w.bytes_written == 0
+        w.add("a", *random_sample(300, 2, 32))
+        w.commit()
+        after_commit = w.bytes_written
+        on_disk = sum(f.size for s in hsstore.open(tmp_path / "ds").manifest.segments for f in s.files.values())
+        assert after_commit == on_disk > 0

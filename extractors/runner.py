@@ -1,0 +1,352 @@
+"""``hsstore extract`` orchestration: check inputs, create the dataset, run the workers.
+
+The parent validates everything that can be validated without a model forward (model config,
+tokenizer, layers, an existing dataset's compatibility) so bad input fails before any worker
+starts. It then runs ``--workers`` workers (in-process when there is one, spawned processes
+otherwise; each spawned worker gets its own GPU(s) through CUDA_VISIBLE_DEVICES) and renders one
+progress bar from their events. Each worker writes and commits its own segments, so the dataset
+is usable, and a crash loses only uncommitted work, at any moment.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from extractors.batching import parse_shard
+from extractors.layer_select import parse_layers, same_layers
+from extractors.progress import Progress
+from extractors.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
+from hsstore.errors import BadInputError, ConflictError, HsstoreError
+from hsstore.format.layers import LayerSpec
+
+
+class WorkerFailedError(HsstoreError):
+    """A worker stopped with an error; what it committed before stays committed."""
+
+
+@dataclass
+class ExtractOptions:
+    model: str
+    data: str
+    out: str
+    backend: str = "transformers"
+    workers: int = 1
+    shard: str | None = None
+    layers: str | None = None
+    max_length: int | None = None
+    limit: int | None = None
+    batch_size: int = 8
+    max_batch_tokens: int = 16384
+    device: str = "auto"
+    dtype: str = "auto"
+    codec: str = "blosc-zstd"
+    commit_every: int = 512
+    commit_seconds: float = 300.0
+    max_queue: int = 4
+    progress: bool = True
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+
+def run_extract(opts: ExtractOptions) -> dict[str, Any]:
+    """Run an extraction end to end; returns the summary printed by the CLI."""
+    if opts.backend not in ("transformers", "sglang"):
+        raise BadInputError(f"unknown backend {opts.backend!r}; use transformers or sglang")
+    for name, value in (
+        ("--workers", opts.workers),
+        ("--batch-size", opts.batch_size),
+        ("--max-batch-tokens", opts.max_batch_tokens),
+        ("--commit-every", opts.commit_every),
+        ("--max-length", opts.max_length),
+        ("--limit", opts.limit),
+    ):
+        if value is not None and value < 1:
+            raise BadInputError(f"{name} must be >= 1, got {value}")
+    try:
+        shard_i, shards = parse_shard(opts.shard)
+    except ValueError as exc:
+        raise BadInputError(str(exc)) from None
+    if not os.path.exists(opts.data):
+        raise BadInputError("prompt set not found", path=opts.data)
+    if opts.backend == "sglang" and not _sglang_engine_factory_given(opts):
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]' (GPU only)")
+    config = _load_config(opts.model)
+    n, h = int(config.num_hidden_layers), int(config.hidden_size)
+    layers = parse_layers(opts.layers, n)
+    dtype = _store_dtype(opts, config)
+    tokenizer = load_tokenizer(opts.model)
+    device = _device(opts.device)
+    _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
+    # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
+    # (it holds a lock on it) nor anything committed, so this is safe next to other nodes.
+    import hsstore
+
+    debris = hsstore.gc(opts.out).removed_segments
+    gpus = _visible_gpus() if device.startswith("cuda") else []
+    threads = max(1, (os.cpu_count() or 1) // opts.workers)
+    base = WorkerSpec(
+        model=opts.model,
+        data=opts.data,
+        out=opts.out,
+        backend=opts.backend,
+        layers=tuple(s.to_json() for s in layers),
+        rank=shard_i * opts.workers,
+        world=shards * opts.workers,
+        max_length=opts.max_length,
+        limit=opts.limit,
+        batch_size=opts.batch_size,
+        max_batch_tokens=opts.max_batch_tokens,
+        device=device,
+        dtype=dtype,
+        commit_every=opts.commit_every,
+        commit_seconds=opts.commit_seconds,
+        max_queue=opts.max_queue,
+        torch_threads=threads if device == "cpu" else None,
+        encode_threads=threads,
+        backend_options=tuple(sorted(opts.backend_options.items())),
+    )
+    specs = [replace(base, rank=base.rank + w) for w in range(opts.workers)]
+    t0 = time.perf_counter()
+    with Progress(enabled=opts.progress, workers=opts.workers) as progress:
+        if opts.workers == 1:
+            results = [run_worker(specs[0], progress.handle)]
+        else:
+            results = _run_spawned(specs, progress, gpus, opts)
+    wall = time.perf_counter() - t0
+    summary = _summary(opts, layers, results, wall, shard_i, shards)
+    summary["debris_segments_removed"] = len(debris)
+    nothing = summary["samples_written"] + summary["samples_already_present"] == 0
+    # a shard of a tiny input may own no rows at all; a shard whose rows were all bad may not
+    if nothing and (shards == 1 or summary["skipped_total"] > 0):
+        reasons = "; ".join(f"{n} x {r}" for r, n in sorted(summary["skipped"].items()))
+        raise BadInputError(f"no usable rows for this run ({reasons or 'no rows'})", path=opts.data)
+    return summary
+
+
+def _sglang_engine_factory_given(opts: ExtractOptions) -> bool:
+    """Tests hand the sglang backend a fake engine; then SGLang itself is not needed."""
+    return "engine_factory" in opts.backend_options
+
+
+def _load_config(model: str) -> Any:
+    from transformers import AutoConfig
+
+    looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
+    if looks_local and not os.path.isdir(os.path.expanduser(model)):
+        raise BadInputError("model directory not found", path=model)
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"cannot load a model config: {exc}", path=model) from exc
+    return getattr(config, "text_config", None) or config
+
+
+def _store_dtype(opts: ExtractOptions, config: Any) -> str:
+    """The dtype states are computed and stored in: never a silent cast between the two."""
+    if opts.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise BadInputError(f"unknown --dtype {opts.dtype!r}")
+    if opts.dtype != "auto":
+        return opts.dtype
+    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    name = str(cfg).replace("torch.", "") if cfg is not None else "float32"
+    if opts.backend == "sglang":
+        from extractors.sglang_backend import resolve_dtype
+
+        return resolve_dtype("auto", name)
+    return name if name in ("float32", "float16", "bfloat16") else "float32"
+
+
+def _ensure_dataset(
+    opts: ExtractOptions, config: Any, tokenizer: Any, layers: list[LayerSpec], h: int, dtype: str
+) -> None:
+    """Open a compatible dataset at ``--out`` or create it; refuse a mismatching one."""
+    import hashlib
+
+    import hsstore
+    from hsstore.errors import NotADatasetError
+
+    try:
+        ds = hsstore.open(opts.out)
+    except (FileNotFoundError, NotADatasetError):
+        ds = None
+    if ds is None:
+        template = getattr(tokenizer, "chat_template", None) or ""
+        try:
+            hsstore.create(
+                opts.out,
+                layers=layers,
+                hidden_size=h,
+                dtype=dtype,
+                model={
+                    "name": opts.model,
+                    "num_hidden_layers": int(config.num_hidden_layers),
+                    "hidden_size": h,
+                    "vocab_size": int(config.vocab_size),
+                },
+                tokenizer={
+                    "name": opts.model,
+                    "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+                },
+                codec=opts.codec,
+                provenance={
+                    "created_by": "extract",
+                    "backend": opts.backend,
+                    "source": os.path.basename(os.path.normpath(opts.data)),
+                    "max_length": opts.max_length,
+                },
+                exist_ok=True,  # another node's --shard may have created it meanwhile
+            )
+        except ConflictError as exc:
+            raise BadInputError(f"{exc.message}; use another --out", path=opts.out) from None
+        return
+    man = ds.manifest
+    problems = []
+    if not same_layers(list(man.layers), layers):
+        have = ", ".join(s.label for s in man.layers)
+        want = ", ".join(s.label for s in layers)
+        problems.append(f"layers [{have}] (asked for [{want}])")
+    if man.hidden_size != h:
+        problems.append(f"hidden_size {man.hidden_size} (model has {h})")
+    if man.dtype != dtype:
+        problems.append(f"dtype {man.dtype} (this run stores {dtype})")
+    if man.model.num_hidden_layers not in (None, int(config.num_hidden_layers)):
+        problems.append(f"a model with {man.model.num_hidden_layers} layers")
+    if problems:
+        raise BadInputError(
+            "existing dataset does not match this run: it has " + "; ".join(problems),
+            path=opts.out,
+        )
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInputError(f"--device {name}: CUDA is not available")
+        index = name.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise BadInputError(f"--device {name}: no such CUDA device")
+    elif name != "cpu":
+        raise BadInputError(f"--device {name!r}: use cpu, cuda, cuda:K or auto")
+    return name
+
+
+def _visible_gpus() -> list[str]:
+    import torch
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+@contextmanager
+def _env(**values: str | None):
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is not None:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_spawned(
+    specs: list[WorkerSpec], progress: Progress, gpus: list[str], opts: ExtractOptions
+) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    per_worker = max(1, int(opts.backend_options.get("tp_size", 1)))
+    procs = []
+    for w, spec in enumerate(specs):
+        visible = None
+        if gpus:
+            mine = [gpus[(w * per_worker + k) % len(gpus)] for k in range(per_worker)]
+            visible = ",".join(mine)
+            spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
+        with _env(CUDA_VISIBLE_DEVICES=visible):
+            p = ctx.Process(target=worker_process_main, args=(spec, events), daemon=False)
+            p.start()
+        procs.append(p)
+    results: dict[int, dict[str, Any]] = {}
+    errors: list[str] = []
+    finished: set[int] = set()
+    ranks = [s.rank for s in specs]
+    while len(finished) < len(procs):
+        try:
+            kind, rank, payload = events.get(timeout=1.0)
+        except queue_mod.Empty:
+            for p, rank in zip(procs, ranks):
+                if rank not in finished and p.exitcode is not None:
+                    finished.add(rank)
+                    errors.append(f"worker {rank} died (exit code {p.exitcode})")
+            continue
+        if kind == "done":
+            results[rank] = payload
+            finished.add(rank)
+        elif kind == "error":
+            errors.append(f"worker {rank}: {payload['message']}")
+            finished.add(rank)
+        else:
+            progress.handle((kind, rank, payload))
+    for p in procs:
+        p.join()
+    if errors:
+        raise WorkerFailedError(
+            "; ".join(errors) + " (committed samples are kept; re-run to resume)", path=opts.out
+        )
+    return [results[r] for r in ranks]
+
+
+def _summary(
+    opts: ExtractOptions,
+    layers: list[LayerSpec],
+    results: list[dict[str, Any]],
+    wall: float,
+    shard_i: int,
+    shards: int,
+) -> dict[str, Any]:
+    skipped: Counter = Counter()
+    for r in results:
+        skipped.update(r["skipped"])
+    tokens = sum(r["tokens_written"] for r in results)
+    # workers run side by side, so their model throughputs add up
+    model_rate = sum(r["tokens_written"] / r["extract_s"] for r in results if r["extract_s"] > 0)
+    busy = sum(r["writer_busy_s"] for r in results)
+    worker_wall = sum(r["wall_s"] for r in results)
+    return {
+        "dataset": opts.out,
+        "backend": opts.backend,
+        "workers": opts.workers,
+        "shard": f"{shard_i}/{shards}",
+        "layers": [s.label for s in layers],
+        "samples_written": sum(r["samples_written"] for r in results),
+        "samples_already_present": sum(r["samples_already_present"] for r in results),
+        "tokens_written": tokens,
+        "skipped": dict(skipped),
+        "skipped_total": sum(skipped.values()),
+        "commits": sum(r["commits"] for r in results),
+        "raw_gb": sum(r["raw_bytes"] for r in results) / 1e9,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "extract_tokens_per_s": model_rate,
+        "writer_busy_share": busy / worker_wall if worker_wall > 0 else 0.0,
+        "writer_stall_s": sum(r["writer_stall_s"] for r in results),
+    }

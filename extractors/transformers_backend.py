@@ -1,0 +1,189 @@
+"""Hidden states from a Hugging Face ``AutoModelForCausalLM``, batched, on CPU or GPU.
+
+Layer mapping (canonical -> what transformers gives), for a model with N decoder layers:
+
+* depth k < N: ``output_hidden_states[k]`` (0 = embedding output), via the ``hf`` convention of
+  :mod:`hsstore.format.conventions`;
+* ``final`` (depth N + final norm): ``output_hidden_states[N]``, which transformers sets to the
+  normed ``last_hidden_state``;
+* ``final-prenorm`` (depth N, no norm): not in ``output_hidden_states`` at all, so a forward
+  pre-hook on the final norm module records its input (the residual after the last layer); if
+  a model has no recognisable final norm, the last decoder layer's output is recorded instead.
+
+Only the base model runs (no LM head: its [B, T, vocab] logits would be the largest tensor of
+the forward and are not needed). Batches are right-padded with an attention mask; padded
+positions are cut off before anything is returned, so no pad row is ever stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from extractors.chat_tokens import TokenizedPrompt
+from hsstore.errors import BadInputError
+from hsstore.format import conventions
+from hsstore.format.layers import LayerSpec
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_torch_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    if name in (None, "auto"):
+        return default
+    if name not in _DTYPES:
+        raise BadInputError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)} or auto")
+    return _DTYPES[name]
+
+
+class TransformersBackend:
+    """Runs the target model and returns ``[T, L, H]`` hidden states per prompt (on CPU)."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_dir: str,
+        layers: Sequence[LayerSpec],
+        *,
+        device: str = "cpu",
+        torch_dtype: str | None = "auto",
+        attn_implementation: str | None = None,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own bar is the one that matters
+
+        try:
+            config = AutoConfig.from_pretrained(model_dir)
+        except (OSError, ValueError) as exc:
+            raise BadInputError(f"cannot load a model config: {exc}", path=model_dir) from exc
+        cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(cfg_dtype, str):
+            cfg_dtype = _DTYPES.get(cfg_dtype)
+        dtype = resolve_torch_dtype(torch_dtype, cfg_dtype or torch.float32)
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise BadInputError(f"cannot load the model: {exc}", path=model_dir) from exc
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.base = self.model.base_model
+        self.num_hidden_layers = int(config.num_hidden_layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.pad_token_id = _pad_id(config)
+        self.layers = list(layers)
+        self._plan = self._plan_layers(self.layers)
+        self._prenorm: list[torch.Tensor] = []
+        # transformers >= 5 can keep only the hidden states asked for (same indices, None
+        # elsewhere): on a large model that saves most of the N+1 [B, T, H] activations.
+        import transformers
+
+        wanted = sorted({index for kind, index in self._plan if kind == "hf"})
+        major = int(transformers.__version__.split(".")[0])
+        self._select: bool | list[int] = wanted if major >= 5 and wanted else True
+        self._hook = None
+        if any(kind == "prenorm" for kind, _ in self._plan):
+            self._hook = self._install_prenorm_hook()
+
+    def _plan_layers(self, layers: Sequence[LayerSpec]) -> list[tuple[str, int]]:
+        """For each stored layer: ("hf", index into hidden_states) or ("prenorm", 0)."""
+        n = self.num_hidden_layers
+        plan: list[tuple[str, int]] = []
+        for spec in layers:
+            if spec.depth == n and not spec.final_norm:
+                plan.append(("prenorm", 0))
+                continue
+            try:
+                (hf_id,) = conventions.from_canonical(conventions.HF, [spec], n)
+            except conventions.ConventionError as exc:
+                raise BadInputError(f"layer {spec.label}: {exc}") from exc
+            plan.append(("hf", hf_id))
+        return plan
+
+    def _install_prenorm_hook(self):
+        norm = getattr(self.base, "norm", None)
+        if isinstance(norm, torch.nn.Module):
+
+            def pre_hook(_module, args):
+                self._prenorm.append(args[0])
+
+            return norm.register_forward_pre_hook(pre_hook)
+        layers = getattr(self.base, "layers", None)
+        if layers is None or len(layers) != self.num_hidden_layers:
+            raise BadInputError(
+                "final-prenorm needs a model whose base model has a 'norm' or 'layers' module; "
+                f"{type(self.model).__name__} has neither"
+            )
+
+        def hook(_module, _args, output):
+            self._prenorm.append(output[0] if isinstance(output, tuple) else output)
+
+        return layers[-1].register_forward_hook(hook)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[TokenizedPrompt]) -> list[torch.Tensor]:
+        """One padded forward over ``batch``; returns ``[T_i, L, H]`` CPU tensors, model dtype."""
+        if not batch:
+            return []
+        lengths = [p.num_tokens for p in batch]
+        t_max = max(lengths)
+        ids = torch.full((len(batch), t_max), self.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(batch), t_max), dtype=torch.int64)
+        for row, p in enumerate(batch):
+            ids[row, : lengths[row]] = p.input_ids
+            mask[row, : lengths[row]] = 1
+        self._prenorm.clear()
+        out = self.base(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            output_hidden_states=self._select,
+            use_cache=False,
+            return_dict=True,
+        )
+        hs = out.hidden_states
+        if len(hs) != self.num_hidden_layers + 1:
+            raise BadInputError(
+                f"model returned {len(hs)} hidden states, expected num_hidden_layers + 1 = "
+                f"{self.num_hidden_layers + 1}; its layer semantics are unknown"
+            )
+        picked = []
+        for kind, index in self._plan:
+            if kind == "prenorm":
+                if len(self._prenorm) != 1:
+                    raise RuntimeError(f"final-prenorm hook fired {len(self._prenorm)} times")
+                picked.append(self._prenorm[0])
+            else:
+                picked.append(hs[index])
+        stacked = torch.stack(picked, dim=2)  # [B, T, L, H]
+        self._prenorm.clear()
+        host = stacked.to("cpu", non_blocking=False)
+        return [host[row, : lengths[row]].clone() for row in range(len(batch))]
+
+
+def _pad_id(config: Any) -> int:
+    """Any valid token id works (padded positions are masked and cut); prefer the real pad."""
+    for attr in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = getattr(config, attr, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0

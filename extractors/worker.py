@@ -1,0 +1,204 @@
+"""One extraction worker: its rows of the input, one model, one writer thread.
+
+A worker is self-contained (it re-reads the input and opens the dataset by path), so it runs
+the same in the parent process (``--workers 1``) or in a spawned process, and several nodes can
+run ``--shard i/N`` against one dataset. It never redoes a committed sample: ids already in the
+dataset are skipped when batches are run, although batches themselves are planned over all of
+the worker's rows (see :mod:`extractors.batching`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from extractors.batching import owner, plan_batches
+from extractors.chat_tokens import ChatTokenizer, TokenizedPrompt
+from extractors.prompts import SkippedRow, read_prompts
+from extractors.writer_thread import WriterThread
+
+Event = tuple[str, int, dict[str, Any]]  # (kind, rank, payload)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, picklable for spawn."""
+
+    model: str
+    data: str
+    out: str
+    backend: str
+    layers: tuple[dict, ...]  # LayerSpec.to_json() each
+    rank: int  # global rank = shard * workers + worker
+    world: int
+    max_length: int | None
+    limit: int | None
+    batch_size: int
+    max_batch_tokens: int
+    device: str
+    dtype: str
+    commit_every: int
+    commit_seconds: float
+    max_queue: int
+    torch_threads: int | None
+    encode_threads: int | None
+    backend_options: tuple[tuple[str, Any], ...] = ()
+
+
+def load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from hsstore.errors import BadInputError
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"cannot load the tokenizer: {exc}", path=model) from exc
+
+
+def tokenize_rows(
+    spec: WorkerSpec, tokenizer: Any
+) -> tuple[list[TokenizedPrompt], list[SkippedRow]]:
+    """This worker's rows, tokenised, plus the rows it had to skip."""
+    chat = ChatTokenizer(tokenizer, max_length=spec.max_length, path=spec.model)
+    samples: list[TokenizedPrompt] = []
+    skipped: list[SkippedRow] = []
+    for row in read_prompts(spec.data):
+        if spec.limit is not None and row.index >= spec.limit:
+            break
+        if owner(row.index, world=spec.world) != spec.rank:
+            continue
+        got = row if isinstance(row, SkippedRow) else chat.encode(row)
+        (skipped if isinstance(got, SkippedRow) else samples).append(got)
+    return samples, skipped
+
+
+def make_backend(spec: WorkerSpec) -> Any:
+    from hsstore.format.layers import LayerSpec
+
+    layers = [LayerSpec.from_json(d) for d in spec.layers]
+    options = dict(spec.backend_options)
+    if spec.backend == "transformers":
+        from extractors.transformers_backend import TransformersBackend
+
+        return TransformersBackend(
+            spec.model, layers, device=spec.device, torch_dtype=spec.dtype, **options
+        )
+    if spec.backend == "sglang":
+        from extractors.sglang_backend import SGLangBackend
+
+        return SGLangBackend(spec.model, layers, dtype=spec.dtype, **options)
+    raise ValueError(f"unknown backend {spec.backend!r}")
+
+
+def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any]:
+    """Extract this worker's share into the dataset; returns its statistics."""
+    import torch
+
+    import hsstore
+
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    t_start = time.perf_counter()
+    samples, skipped = tokenize_rows(spec, load_tokenizer(spec.model))
+    ds = hsstore.open(spec.out)
+    already = {p.sample_id for p in samples if p.sample_id in ds}
+    todo = [p for p in samples if p.sample_id not in already]
+    recorded = {s.get("name") for s in ds.manifest.provenance.get("skipped", [])}
+    new_skips = [(f"{s.source}#{s.index}", s.reason) for s in skipped]
+    new_skips = [(n, r) for n, r in new_skips if n not in recorded]
+    emit(
+        (
+            "plan",
+            spec.rank,
+            {
+                "samples": len(todo),
+                "tokens": sum(p.num_tokens for p in todo),
+                "already": len(already),
+                "skipped": dict(Counter(s.reason for s in skipped)),
+            },
+        )
+    )
+    batches = [
+        b
+        for b in plan_batches(
+            samples, batch_size=spec.batch_size, max_batch_tokens=spec.max_batch_tokens
+        )
+        if any(p.sample_id not in already for p in b)
+    ]
+    writer = WriterThread(
+        ds,
+        commit_every=spec.commit_every,
+        commit_seconds=spec.commit_seconds,
+        max_queue=spec.max_queue,
+        encode_threads=spec.encode_threads,
+        on_written=lambda n, t, b: emit(
+            ("written", spec.rank, {"samples": n, "tokens": t, "bytes": b})
+        ),
+        skipped=new_skips,
+    )
+    backend = make_backend(spec) if batches else None
+    extract_s = 0.0
+    failed: BaseException | None = None
+    writer.start()
+    try:
+        for batch in batches:
+            t0 = time.perf_counter()
+            states = backend.run(batch)
+            extract_s += time.perf_counter() - t0
+            writer.put([(p, h) for p, h in zip(batch, states) if p.sample_id not in already])
+    except BaseException as exc:  # keep what was already handed over, then fail
+        failed = exc
+    try:
+        stats = writer.finish()  # commits every complete sample it was given
+    finally:
+        if backend is not None:
+            backend.close()
+    if failed is not None:
+        raise failed
+    wall = time.perf_counter() - t_start
+    return {
+        "rank": spec.rank,
+        "samples_written": stats.samples,
+        "tokens_written": stats.tokens,
+        "raw_bytes": stats.raw_bytes,
+        "samples_already_present": len(already),
+        "skipped": dict(Counter(s.reason for s in skipped)),
+        "commits": stats.commits,
+        "wall_s": wall,
+        "extract_s": extract_s,
+        "writer_busy_s": stats.busy_s,
+        "writer_stall_s": stats.stall_s,
+    }
+
+
+def worker_process_main(spec: WorkerSpec, events: Any) -> None:
+    """Entry point of a spawned worker: report through ``events``, die with the parent."""
+    _exit_with_parent()
+    emit = events.put
+    try:
+        result = run_worker(spec, emit)
+        emit(("done", spec.rank, result))
+    except BaseException as exc:  # reported to the parent, which owns the exit code
+        from hsstore.errors import HsstoreError
+
+        kind = "hsstore" if isinstance(exc, HsstoreError | OSError) else "crash"
+        emit(("error", spec.rank, {"kind": kind, "message": str(exc), "type": type(exc).__name__}))
+
+
+def _exit_with_parent() -> None:
+    """A worker whose parent was killed (kill -9 of the run) stops instead of running on."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="hsstore-parent-watch", daemon=True).start()
