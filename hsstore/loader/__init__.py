@@ -1,0 +1,34 @@
+"""Streaming hidden states from an hsstore dataset into PyTorch training loops.
+
+``Loader`` is the one-stop object (see docs/LOADER.md); ``HiddenStateStream``,
+``HiddenStateDataset`` and ``PlannedBatchSampler`` are the torch ``Dataset``/``Sampler``
+building blocks; ``order``, ``batching`` and ``partition`` hold the pure planning functions.
+"""
+
+from __future__ import annotations
+
+from hsstore.loader.batching import BatchPlan, plan_packed, plan_padded
+from hsstore.loader.collate import RawBatch, as_eagle3, pack_collate, pad_collate
+from hsstore.loader.order import epoch_order
+from hsstore.loader.partition import rank_batches, worker_steps
+from hsstore.loader.plan import PlanConfig
+from hsstore.loader.stream import HiddenStateDataset, HiddenStateStream, PlannedBatchSampler
+from hsstore.loader.train_loader import Loader
+
+__all__ = [
+    "BatchPlan",
+    "HiddenStateDataset",
+    "HiddenStateStream",
+    "Loader",
+    "PlanConfig",
+    "PlannedBatchSampler",
+    "RawBatch",
+    "as_eagle3",
+    "epoch_order",
+    "pack_collate",
+    "pad_collate",
+    "plan_packed",
+    "plan_padded",
+    "rank_batches",
+    "worker_steps",
+]

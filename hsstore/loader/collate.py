@@ -1,0 +1,233 @@
+"""Batch tensors: one raw layout, decoded in place, viewed as speculators' EAGLE-3 keys.
+
+A batch is a handful of base tensors (``RawBatch``): hidden states ``[B, T, L', H]`` with the
+aux layers first and the verifier layer last, and the per-token columns ``[B, T]``. The
+trainer's keys are views of these (``as_eagle3``), so a batch crosses PCIe as one hidden-state
+copy and is never re-concatenated on the host.
+
+Keys follow speculators' trainer (``speculators/train/data.py``): ``hidden_states``
+``[B, T, k*H]``, ``verifier_last_hidden_states`` ``[B, T, H]``, ``input_ids``, ``loss_mask``,
+``position_ids``, ``document_ids`` ``[B, T]`` and ``lengths`` ``[n]``; packed batches have
+``B == 1`` and padding with document id -1 and position 0, as there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from hsstore.loader.source import LayerChoice
+
+TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
+
+
+@dataclass
+class RawBatch:
+    """The base tensors of one batch (host or device)."""
+
+    hidden: torch.Tensor  # [B, T, L', H]
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] int64
+    position_ids: torch.Tensor  # [B, T] int64
+    document_ids: torch.Tensor  # [B, T] int64, -1 on padding
+    lengths: torch.Tensor  # [n] int64, tokens per sample
+    sample_index: torch.Tensor  # [n] int64, storage positions
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> RawBatch:
+        return RawBatch(
+            **{k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
+        )
+
+
+def as_eagle3(raw: RawBatch, choice: LayerChoice) -> dict[str, torch.Tensor]:
+    """The trainer's dict: views of ``raw`` (no copy)."""
+    b, t, _, h = raw.hidden.shape
+    k = len(choice.aux)
+    out: dict[str, torch.Tensor] = {
+        "input_ids": raw.input_ids,
+        "hidden_states": raw.hidden[:, :, :k, :].reshape(b, t, k * h),
+        "loss_mask": raw.loss_mask,
+        "lengths": raw.lengths,
+        "position_ids": raw.position_ids,
+        "document_ids": raw.document_ids,
+        "per_layer_hidden_states": raw.hidden,
+        "sample_index": raw.sample_index,
+    }
+    if choice.verifier is not None:
+        out["verifier_last_hidden_states"] = raw.hidden[:, :, k, :]
+    return out
+
+
+class HostBuffers:
+    """Host memory for one batch of at most ``capacity`` tokens, reused batch after batch.
+
+    Allocated once (pinned when feeding a GPU: page-locked memory is what lets the copy run
+    asynchronously) and touched once up front, so the hot path never faults in fresh pages.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        num_layers: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        pin: bool,
+        prefault: bool = True,
+    ):
+        self.capacity = capacity
+        self.row = num_layers * hidden_size
+        self.num_layers, self.hidden_size = num_layers, hidden_size
+        # prefault=False for one-shot buffers: every element is written anyway (samples and
+        # padding), so zeroing would only add a pass over fresh memory.
+        alloc = torch.zeros if prefault else torch.empty
+        self.hidden = alloc(capacity * self.row, dtype=dtype, pin_memory=pin)
+        # The 4 per-token columns, then lengths and sample positions (at most one sample per
+        # token), so every field of a batch lives in these two allocations.
+        self.tokens = torch.zeros(len(TOKEN_KEYS) + 2, capacity, dtype=torch.int64, pin_memory=pin)
+
+    def view(self, b: int, t: int, lengths: Sequence[int], samples: Sequence[int]) -> RawBatch:
+        """A RawBatch of shape [b, t] over the front of these buffers."""
+        if b * t > self.capacity:
+            raise ValueError(f"batch of {b}x{t} tokens exceeds buffer capacity {self.capacity}")
+        hidden = self.hidden[: b * t * self.row].view(b, t, self.num_layers, self.hidden_size)
+        cols = self.tokens[: len(TOKEN_KEYS), : b * t].view(len(TOKEN_KEYS), b, t)
+        n = len(lengths)
+        lens, index = self.tokens[len(TOKEN_KEYS), :n], self.tokens[len(TOKEN_KEYS) + 1, :n]
+        lens.copy_(torch.as_tensor(lengths, dtype=torch.int64))
+        index.copy_(torch.as_tensor(samples, dtype=torch.int64))
+        return RawBatch(
+            hidden=hidden,
+            input_ids=cols[0],
+            loss_mask=cols[1],
+            position_ids=cols[2],
+            document_ids=cols[3],
+            lengths=lens,
+            sample_index=index,
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where sample ``k`` of a batch goes: row, first token, tokens taken."""
+
+    row: int
+    start: int
+    take: int
+
+
+def placements(packed: bool, tokens: Sequence[int]) -> list[Placement]:
+    """Packed: one row, samples back to back. Padded: one row per sample, from token 0."""
+    out, start = [], 0
+    for k, n in enumerate(tokens):
+        if packed:
+            out.append(Placement(0, start, int(n)))
+            start += int(n)
+        else:
+            out.append(Placement(k, 0, int(n)))
+    return out
+
+
+def fill_padding(raw: RawBatch, places: list[Placement], packed: bool, pad_token_id: int) -> None:
+    """Write pad values everywhere no sample lands (buffers are reused: stale data otherwise)."""
+    b, t = raw.input_ids.shape
+    if packed:
+        used = places[-1].start + places[-1].take if places else 0
+        _pad_row(raw, 0, used, pad_token_id)
+    else:
+        for p in places:
+            _pad_row(raw, p.row, p.take, pad_token_id)
+        for row in range(len(places), b):
+            _pad_row(raw, row, 0, pad_token_id)
+
+
+def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int) -> None:
+    if start >= raw.input_ids.shape[1]:
+        return
+    raw.hidden[row, start:].zero_()
+    raw.input_ids[row, start:] = pad_token_id
+    raw.loss_mask[row, start:] = 0
+    raw.position_ids[row, start:] = 0
+    raw.document_ids[row, start:] = -1
+
+
+def write_tokens(
+    raw: RawBatch, p: Placement, doc: int, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> None:
+    """Token columns of one placed sample (truncated to ``p.take``)."""
+    sl = slice(p.start, p.start + p.take)
+    raw.input_ids[p.row, sl] = input_ids[: p.take]
+    raw.loss_mask[p.row, sl] = loss_mask[: p.take]
+    raw.position_ids[p.row, sl] = torch.arange(p.take)
+    raw.document_ids[p.row, sl] = doc
+
+
+# --- collation of per-sample dicts (map-style dataset + any DataLoader) -------------------------
+
+SAMPLE_KEYS = (
+    "hidden_states",
+    "input_ids",
+    "verifier_last_hidden_states",
+    "loss_mask",
+    "position_ids",
+)
+
+
+def pack_collate(max_tokens: int, pad_token_id: int = 0):
+    """A ``collate_fn`` packing per-sample dicts into ``[1, max_tokens]`` like speculators'.
+
+    Samples are concatenated in the given order; tokens past ``max_tokens`` are cut off
+    (speculators' behaviour; plan batches with :func:`hsstore.loader.batching.plan_packed`
+    so that never happens).
+    """
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        keys = [k for k in SAMPLE_KEYS if k in batch[0]]
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:
+            cat = torch.cat([s[key] for s in batch], dim=0)[:max_tokens]
+            pad_value = pad_token_id if key == "input_ids" else 0
+            padded = cat.new_full((max_tokens, *cat.shape[1:]), pad_value)
+            padded[: cat.shape[0]] = cat
+            out[key] = padded.unsqueeze(0)
+        lengths, used = [], 0
+        for s in batch:
+            n = min(int(s["input_ids"].shape[0]), max_tokens - used)
+            if n <= 0:
+                break
+            lengths.append(n)
+            used += n
+        out["lengths"] = torch.tensor(lengths, dtype=torch.int64)
+        docs = torch.full((max_tokens,), -1, dtype=torch.int64)
+        docs[:used] = torch.repeat_interleave(torch.arange(len(lengths)), out["lengths"])
+        out["document_ids"] = docs.unsqueeze(0)
+        return out
+
+    return collate
+
+
+def pad_collate(pad_token_id: int = 0, pad_to_multiple_of: int = 1):
+    """A ``collate_fn`` stacking per-sample dicts into ``[B, T]``, padded to the longest."""
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(int(s["input_ids"].shape[0]) for s in batch)
+        t = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+        keys = [k for k in SAMPLE_KEYS if k in batch[0]]
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:
+            first = batch[0][key]
+            pad_value = pad_token_id if key == "input_ids" else 0
+            stacked = first.new_full((len(batch), t, *first.shape[1:]), pad_value)
+            for row, s in enumerate(batch):
+                stacked[row, : s[key].shape[0]] = s[key]
+            out[key] = stacked
+        lengths = torch.tensor([int(s["input_ids"].shape[0]) for s in batch], dtype=torch.int64)
+        out["lengths"] = lengths
+        out["document_ids"] = torch.where(torch.arange(t)[None, :] < lengths[:, None], 0, -1)
+        return out
+
+    return collate

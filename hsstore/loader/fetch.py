@@ -1,0 +1,240 @@
+"""Decoding planned batches into host buffers with a bounded pool of threads.
+
+The core reader does its file reads (``preadv``) and blosc decoding outside the GIL, so
+threads scale with cores without the pickling and shared-memory copies of worker processes.
+A producer thread walks the plan; each batch takes a free buffer from a small ring (or a fresh
+one when buffers cannot be reused), writes its padding, and queues one decode task per sample.
+At most ``prefetch`` batches wait in the output queue, so memory is bounded by
+``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hsstore.loader.batching import padded_length
+from hsstore.loader.collate import (
+    HostBuffers,
+    Placement,
+    RawBatch,
+    fill_padding,
+    placements,
+    write_tokens,
+)
+from hsstore.loader.source import DatasetSource, LayerChoice
+
+_POLL_S = 0.1
+_END = object()
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How planned batches become tensors."""
+
+    packed: bool
+    max_tokens: int
+    batch_size: int | None = None
+    pad_to_multiple_of: int = 8
+    pad_token_id: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.max_tokens if self.packed else (self.batch_size or 1) * self.max_tokens
+
+    def dims(self, tokens: np.ndarray) -> tuple[int, int]:
+        if self.packed:
+            return 1, self.max_tokens
+        return len(tokens), padded_length(tokens, self.pad_to_multiple_of, self.max_tokens)
+
+
+class BatchFetcher:
+    """Iterator of host ``RawBatch`` es for a sequence of planned batches.
+
+    With ``reuse_buffers`` a yielded batch stays valid until the next one is requested (its
+    buffer then goes back to the ring); without it every batch owns fresh tensors (needed when
+    batches leave the process, as from DataLoader workers).
+    """
+
+    def __init__(
+        self,
+        source: DatasetSource,
+        choice: LayerChoice,
+        shape: BatchShape,
+        batches: Iterable[tuple[np.ndarray, np.ndarray]],
+        *,
+        num_threads: int = 4,
+        prefetch: int = 2,
+        reuse_buffers: bool = True,
+        pin_memory: bool = False,
+        ring: list[HostBuffers] | None = None,
+    ):
+        if num_threads < 1 or prefetch < 1:
+            raise ValueError("num_threads and prefetch must be >= 1")
+        self.source, self.choice, self.shape = source, choice, shape
+        self._layers = choice.read
+        self._reuse, self._pin = reuse_buffers, pin_memory
+        self._free: queue.Queue[HostBuffers] = queue.Queue()
+        if reuse_buffers:
+            # A caller-owned ring survives epochs: fresh pages cost a fault each on first touch.
+            for buf in (
+                ring
+                if ring is not None
+                else self.make_ring(source, choice, shape, prefetch, pin_memory)
+            ):
+                self._free.put(buf)
+        self._out: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._held: HostBuffers | None = None
+        self._stop = threading.Event()
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hsstore-decode")
+        self._thread = threading.Thread(
+            target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def make_ring(
+        source: DatasetSource, choice: LayerChoice, shape: BatchShape, prefetch: int, pin: bool
+    ) -> list[HostBuffers]:
+        """The ``prefetch + 1`` reusable buffers a fetcher with these settings needs."""
+        n_layers = len(choice.read)
+        return [
+            HostBuffers(shape.capacity, n_layers, source.hidden_size, source.dtype, pin)
+            for _ in range(prefetch + 1)
+        ]
+
+    def _new_buffers(self, capacity: int) -> HostBuffers:
+        """A one-shot buffer (batches leaving the process own their memory)."""
+        return HostBuffers(
+            capacity,
+            len(self._layers),
+            self.source.hidden_size,
+            self.source.dtype,
+            self._pin,
+            prefault=False,
+        )
+
+    # --- producer side ---------------------------------------------------------------------
+
+    def _produce(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+        try:
+            for samples, tokens in batches:
+                b, t = self.shape.dims(tokens)
+                if self._reuse:
+                    buf = self._take_free()
+                    if buf is None:
+                        return
+                else:
+                    buf = self._new_buffers(b * t)
+                raw = buf.view(b, t, tokens.tolist(), samples.tolist())
+                places = placements(self.shape.packed, tokens.tolist())
+                fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
+                futures = [
+                    # document ids number the samples of a row: packed rows hold many.
+                    self._pool.submit(self._decode, raw, p, doc if self.shape.packed else 0, int(i))
+                    for doc, (p, i) in enumerate(zip(places, samples.tolist()))
+                ]
+                if not self._put((buf, raw, futures)):
+                    return
+            self._put(_END)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._put(exc)
+
+    def _take_free(self) -> HostBuffers | None:
+        while not self._stop.is_set():
+            try:
+                return self._free.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return None
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._out.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _decode(self, raw: RawBatch, p: Placement, doc: int, i: int) -> None:
+        ids, mask = self.source.read_tokens(i)
+        write_tokens(raw, p, doc, ids, mask)
+        full = int(self.source.num_tokens[i])
+        dst = raw.hidden[p.row, p.start : p.start + p.take]
+        if p.take == full:
+            self.source.read_hidden_into(i, dst, self._layers)
+            return
+        # Truncated sample: decode whole into a per-thread scratch, keep the head.
+        scratch = getattr(self._local, "scratch", None)
+        need = full * dst.shape[1] * dst.shape[2]
+        if scratch is None or scratch.numel() < need:
+            scratch = self._local.scratch = torch.empty(need, dtype=dst.dtype)
+        whole = scratch[:need].view(full, dst.shape[1], dst.shape[2])
+        self.source.read_hidden_into(i, whole, self._layers)
+        dst.copy_(whole[: p.take])
+
+    # --- consumer side ---------------------------------------------------------------------
+
+    def __iter__(self) -> BatchFetcher:
+        return self
+
+    def __next__(self) -> RawBatch:
+        if self._stop.is_set():
+            raise StopIteration
+        if self._held is not None:
+            self._free.put(self._held)
+            self._held = None
+        item = self._get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        buf, raw, futures = item
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            self._cancel(futures)
+            self.close()
+            raise
+        if self._reuse:
+            self._held = buf
+        return raw
+
+    def _get(self) -> object:
+        while not self._stop.is_set():
+            try:
+                return self._out.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+        return _END
+
+    @staticmethod
+    def _cancel(futures: list[Future]) -> None:
+        for f in futures:
+            f.cancel()
+
+    def close(self) -> None:
+        """Stop producing and release the threads (idempotent; also on garbage collection)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
