@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+import xxhash
 
 from hsstore.codecs import CodecConfig
 from hsstore.errors import (
@@ -38,7 +39,7 @@ from hsstore.format.manifest import (
     now_iso,
 )
 from hsstore.format.store import LocalStorage
-from hsstore.segment import SegmentReader, SegmentWriter, sample_checksum
+from hsstore.segment import SegmentReader, SegmentWriter, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 
 
@@ -374,17 +375,15 @@ class Dataset:
                 path=str(self.path),
             )
         np_out = storage_view(out)
+        check = self.verify_reads and layers is None
         try:
-            reader.read_rows(row, row + n, layers, np_out)
+            hasher = xxhash.xxh3_64() if check else None
+            reader.read_rows(row, row + n, layers, np_out, hasher=hasher)
             ids = reader.column("input_ids")[row : row + n]
             mask = reader.column("loss_mask")[row : row + n]
         except IntegrityError as exc:
             raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
-        if (
-            self.verify_reads
-            and layers is None
-            and sample_checksum(np_out, ids, mask) != int(self._checksum[i])
-        ):
+        if hasher is not None and finish_checksum(hasher, ids, mask) != int(self._checksum[i]):
             raise IntegrityError(
                 "sample checksum mismatch (corrupted bytes)",
                 path=str(self.path / paths.segment_dir(reader.info.id)),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 import zstandard
 
 from hsstore.codecs import ChunkCodec, check_crc, crc32c
@@ -33,7 +34,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("row_offset", pa.int64(), nullable=False),
         pa.field("num_tokens", pa.int64(), nullable=False),
         pa.field("num_loss_tokens", pa.int64(), nullable=False),
-        pa.field("checksum", pa.uint32(), nullable=False),
+        pa.field("checksum", pa.uint64(), nullable=False),
         pa.field("zero_rows", pa.int32(), nullable=False),
         pa.field("nonfinite_rows", pa.int32(), nullable=False),
         pa.field("source", pa.string(), nullable=True),
@@ -43,10 +44,17 @@ _COLUMN_ZSTD_LEVEL = 3
 
 
 def sample_checksum(hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
-    """CRC-32C of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask."""
-    value = crc32c(memoryview(hidden).cast("B"))
-    value = crc32c(memoryview(input_ids).cast("B"), value)
-    return crc32c(memoryview(loss_mask).cast("B"), value)
+    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(memoryview(np.ascontiguousarray(hidden)).cast("B"))
+    return finish_checksum(hasher, input_ids, loss_mask)
+
+
+def finish_checksum(hasher: xxhash.xxh3_64, input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
+    """Finish a sample checksum from a hasher that has seen its states bytes."""
+    hasher.update(memoryview(np.ascontiguousarray(input_ids)).cast("B"))
+    hasher.update(memoryview(np.ascontiguousarray(loss_mask)).cast("B"))
+    return hasher.intdigest()
 
 
 @dataclass
@@ -351,11 +359,20 @@ class SegmentReader:
         return memoryview(buf)[:nbytes]
 
     def read_rows(
-        self, start: int, stop: int, layers: Sequence[int] | None, out: np.ndarray
+        self,
+        start: int,
+        stop: int,
+        layers: Sequence[int] | None,
+        out: np.ndarray,
+        *,
+        hasher: xxhash.xxh3_64 | None = None,
     ) -> None:
         """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
 
         ``out`` is a C-contiguous array of the storage dtype. ``layers=None`` means all layers.
+        With a ``hasher`` (all layers only), every piece placed in ``out`` is fed to it in order
+        right after it lands, while it is still in cache (the sample checksum costs no extra
+        pass over memory).
         """
         man = self.manifest
         layout = man.layout
@@ -368,8 +385,10 @@ class SegmentReader:
         for pos, layer in enumerate(wanted):
             by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
+        if hasher is not None and not all_layers:
+            raise FormatError("a sample checksum covers all layers")
         if whole_rows and not man.codec.compressed:
-            self._read_raw_rows(start, stop, out_bytes)
+            self._read_raw_rows(start, stop, out_bytes, hasher)
             return
 
         for c in range(start // rpc, (stop - 1) // rpc + 1):
@@ -392,7 +411,7 @@ class SegmentReader:
                 if whole_rows and lo == crow0 and hi == crow0 + rpc:
                     dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
                     self._codec.decode_into(encoded, dst, what=what)
-                    continue
+                    continue  # whole_rows means a single layer chunk: the row loop ends here
                 scratch = self._scratch("chunk", chunk_nbytes)
                 self._codec.decode_into(encoded, scratch, what=what)
                 chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
@@ -404,8 +423,12 @@ class SegmentReader:
                 else:
                     for pos, within in positions:
                         out[lo - start : hi - start, pos] = rows[:, within]
+            if hasher is not None:
+                hasher.update(out_bytes[lo - start : hi - start])
 
-    def _read_raw_rows(self, start: int, stop: int, out_bytes: np.ndarray) -> None:
+    def _read_raw_rows(
+        self, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
+    ) -> None:
         """Uncompressed, all layers: the wanted rows of consecutive chunks sit back to back in
         the shard, separated only by each chunk's 4-byte crc32c, so a whole run of chunks is one
         scatter read straight into ``out`` (crc bytes go to a junk buffer). The whole-sample
@@ -415,13 +438,16 @@ class SegmentReader:
         rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, self._row_bytes_chunk
         junk = self._scratch("junk", 64)
         c, last = start // rpc, (stop - 1) // rpc
+        run_lo = 0
         while c <= last:
             shard = c // cps
             idx = self.shard_index(shard)
             key = self._key(paths.shard_relpath(shard))
             run: list[memoryview] = []
             run_start = prev_end = -1
-            while c <= last and c // cps == shard and len(run) < 1000:
+            run_rows = 0
+            # Runs stay a few MiB so the checksum reads them back from cache.
+            while c <= last and c // cps == shard and len(run) < 1000 and run_rows * rb < (4 << 20):
                 offset, nbytes = (int(v) for v in idx[c % cps, 0])
                 if offset == zarr_meta.EMPTY:
                     raise IntegrityError(
@@ -440,7 +466,12 @@ class SegmentReader:
                 else:
                     run_start = file_start
                 run.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
+                if not run_rows:
+                    run_lo = lo
+                run_rows += hi - lo
                 prev_end = file_start + (hi - lo) * rb
                 c += 1
             if self.storage.read_scatter(key, run_start, run) != prev_end - run_start:
                 raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
+            if hasher is not None:
+                hasher.update(out_bytes[run_lo - start : run_lo - start + run_rows])

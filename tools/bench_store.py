@@ -168,8 +168,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
             torch.stack(d["hidden_states"], dim=1)
 
     def read_safetensors() -> None:
-        for i in range(len(lengths)):
-            load_file(str(st_dir / f"hs_{i}.safetensors"))["hidden_states"]
+        # safetensors maps the file lazily: copy the tensor out so every byte is really read.
+        for i, t in enumerate(lengths):
+            states = load_file(str(st_dir / f"hs_{i}.safetensors"))["hidden_states"]
+            buf[: t * args.layers * args.hidden].copy_(states.view(-1))
 
     def read_hs(path: Path, verify: bool):
         ds = hsstore.open(path, verify_reads=verify)

@@ -1,0 +1,183 @@
+"""One reading interface over an hsstore dataset and the foreign formats convert reads.
+
+inspect works on both so users can audit data they already have. hsstore datasets give a lot
+for free (index lengths and loss-token counts, write-time statistics,
+cheap token columns); a foreign directory has to be opened file by file, so those answers are
+None there and the audit falls back to what it reads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hsstore.errors import HsstoreError, NotADatasetError
+from hsstore.format.layers import LayerSpec
+
+
+@dataclass
+class AuditSample:
+    sample_id: str
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden: torch.Tensor  # [T, L, H] in the stored dtype
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of every file under ``path`` (what the dataset costs on disk)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                continue
+    return total
+
+
+class AuditSource:
+    """Base: metadata up front, samples on demand. Subclasses fill the attributes."""
+
+    path: Path
+    kind: str
+    format_version: int | None = None
+    layers: list[LayerSpec]
+    hidden_size: int
+    dtype: str
+    model: dict[str, Any]
+    codec: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample_id(self, i: int) -> str:
+        raise NotImplementedError
+
+    def read(self, i: int) -> AuditSample:
+        raise NotImplementedError
+
+    def lengths(self) -> np.ndarray | None:
+        """Token count of every sample, when known without reading states."""
+        return None
+
+    def loss_tokens(self) -> np.ndarray | None:
+        """Loss-token count of every sample, when known without reading states."""
+        return None
+
+    def write_stats(self) -> list[Any] | None:
+        """Per-layer statistics recorded at write time (hsstore.stats.LayerStats), if any."""
+        return None
+
+    def iter_tokens(self) -> Iterator[tuple[int, np.ndarray]] | None:
+        """(position, input_ids) of every sample, when that is much cheaper than reading states."""
+        return None
+
+    def bytes_on_disk(self) -> int:
+        return dir_bytes(self.path)
+
+
+class HsstoreSource(AuditSource):
+    def __init__(self, ds: Any):
+        man = ds.manifest
+        self.ds = ds
+        self.path = Path(ds.path)
+        self.kind = "hsstore"
+        self.format_version = man.format_version
+        self.layers = list(ds.layers)
+        self.hidden_size = ds.hidden_size
+        self.dtype = man.dtype
+        self.model = man.model.to_json()
+        self.codec = man.codec.to_json()
+        self.version = man.version
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def sample_id(self, i: int) -> str:
+        return self.ds.sample_ids[i]
+
+    def read(self, i: int) -> AuditSample:
+        s = self.ds.read(i)
+        return AuditSample(s.sample_id, s.input_ids, s.loss_mask, s.hidden)
+
+    def lengths(self) -> np.ndarray:
+        return self.ds.index.column("num_tokens").to_numpy()
+
+    def loss_tokens(self) -> np.ndarray:
+        return self.ds.index.column("num_loss_tokens").to_numpy()
+
+    def write_stats(self) -> list[Any] | None:
+        try:
+            return self.ds.layer_stats()
+        except (HsstoreError, KeyError, OSError):
+            return None
+
+    def iter_tokens(self) -> Iterator[tuple[int, np.ndarray]]:
+        for i in range(len(self.ds)):
+            ids, _mask = self.ds.read_tokens(i)
+            yield i, ids.numpy()
+
+
+class ForeignSource(AuditSource):
+    """A directory `convert` reads (speculators v1, SpecForge, speculators Arrow), read-only."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+        self.path = Path(reader.path)
+        self.kind = reader.format
+        self.layers = list(reader.layers)
+        self.hidden_size = reader.hidden_size
+        self.dtype = str(reader.dtype).removeprefix("torch.")
+        self.model = dict(reader.model or {})
+        self._ids = reader.sample_ids() if hasattr(reader, "sample_ids") else reader.names()
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def sample_id(self, i: int) -> str:
+        return self._ids[i]
+
+    def read(self, i: int) -> AuditSample:
+        item = self.reader.read(i)
+        return AuditSample(item.sample_id, item.input_ids, item.loss_mask, item.hidden)
+
+
+def open_audit_source(
+    path: str | os.PathLike[str],
+    *,
+    layer_ids: Sequence[int] | None = None,
+    num_hidden_layers: int | None = None,
+) -> AuditSource:
+    """An hsstore dataset if ``path`` is one, else any foreign format `convert` reads.
+
+    ``layer_ids`` / ``num_hidden_layers`` describe a foreign directory that does not record
+    them (as for convert). Raises FileNotFoundError for a missing path, NotADatasetError when
+    no format fits, BadInputError when a foreign directory cannot be opened.
+    """
+    import hsstore
+    from hsstore.io import detect_format, open_source
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(2, "no such file or directory", str(p))
+    try:
+        return HsstoreSource(hsstore.open(p))
+    except NotADatasetError:
+        pass
+    try:
+        fmt = detect_format(p)
+    except HsstoreError:
+        raise NotADatasetError(
+            "not an hsstore dataset (no committed manifest) nor a directory convert reads "
+            "(no data_*.pt, data_*.ckpt[.gz] or Arrow dataset)",
+            path=str(p),
+        ) from None
+    return ForeignSource(
+        open_source(p, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
+    )

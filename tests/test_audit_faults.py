@@ -1,0 +1,167 @@
+"""Each planted fault makes its check FAIL; clean data passes every check.
+
+Data comes from a tiny random Llama that generated its own tokens greedily (audit_helpers), so
+the lm-head agreement under the true alignment is exact and every wrong reading is worse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from audit_helpers import CLEAN_LAYERS, LAYERS, Tiny, clean_rows, make_tiny, write_dataset
+
+from hsstore import LayerSpec
+from hsstore.audit import AuditOptions, Verdict, audit
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def run(path, tiny: Tiny | None = None, **kw):
+    opts = AuditOptions(progress=False, lm_head=tiny.model_dir if tiny else None, **kw)
+    return audit(path, opts)
+
+
+def failed(result) -> set[str]:
+    return {c.name for c in result.checks if c.verdict is Verdict.FAIL}
+
+
+def test_clean_dataset_passes_every_check(tiny, tmp_path):
+    res = run(write_dataset(tmp_path / "ds", clean_rows(tiny.samples)), tiny)
+    bad = [(c.name, c.verdict.value, c.reason) for c in res.checks if c.verdict is not Verdict.OK]
+    assert bad == []
+    assert res.verdict is Verdict.OK
+
+
+def test_clean_agreement_is_far_above_every_wrong_reading(tiny, tmp_path):
+    res = run(write_dataset(tmp_path / "ds", clean_rows(tiny.samples)), tiny)
+    cells = res.lm_head["tables"][0]["cells"]
+    declared = next(c for c in cells if c["declared"])
+    others = [c["agreement"] for c in cells if not c["declared"]]
+    assert declared["agreement"] > max(others) + 0.2
+
+
+def test_clean_bfloat16_dataset_passes(tiny, tmp_path):
+    path = write_dataset(tmp_path / "ds", clean_rows(tiny.samples), dtype=torch.bfloat16)
+    res = run(path, tiny)
+    assert failed(res) == set()
+
+
+def test_layer_stored_twice(tiny, tmp_path):
+    rows = clean_rows(tiny.samples, sources=[1, 1, 3, "post"])
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "duplicate_layers" in failed(res)
+    assert "bit-identical" in res.check("duplicate_layers").reason
+
+
+def test_layer_stored_twice_with_rounding_noise(tiny, tmp_path):
+    rows = []
+    for sid, ids, mask, h in clean_rows(tiny.samples):
+        h = h.clone()
+        h[:, 1] = h[:, 0] * (1 + 1e-5 * torch.randn_like(h[:, 0]))
+        rows.append((sid, ids, mask, h))
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "duplicate_layers" in failed(res)
+    assert "relative distance" in res.check("duplicate_layers").reason
+
+
+def test_layers_in_wrong_order(tiny, tmp_path):
+    rows = clean_rows(tiny.samples, sources=[3, 1, 2, "post"])
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "depth_order" in failed(res)
+
+
+def test_tokens_shifted_against_states(tiny, tmp_path):
+    rows = [(sid, ids[1:], mask[1:], h[:-1]) for sid, ids, mask, h in clean_rows(tiny.samples)]
+    res = run(write_dataset(tmp_path / "ds", rows), tiny)
+    assert "lm_head_alignment" in failed(res)
+    assert "shift -1" in res.check("lm_head_alignment").reason
+
+
+def test_pre_norm_state_declared_post_norm(tiny, tmp_path):
+    rows = clean_rows(tiny.samples, sources=[1, 2, 3, LAYERS])
+    path = write_dataset(tmp_path / "ds", rows)
+    assert "final_norm" in failed(run(path))  # model-free norm identity
+    with_head = failed(run(path, tiny))
+    assert {"final_norm", "final_norm_exact", "lm_head_alignment"} <= with_head
+
+
+def test_post_norm_state_declared_pre_norm(tiny, tmp_path):
+    layers = CLEAN_LAYERS[:3] + [LayerSpec(LAYERS, final_norm=False)]
+    path = write_dataset(tmp_path / "ds", clean_rows(tiny.samples), layers=layers)
+    assert "final_norm" in failed(run(path))
+    assert {"final_norm", "final_norm_exact", "lm_head_alignment"} <= failed(run(path, tiny))
+
+
+def test_pre_norm_state_declared_pre_norm_passes(tiny, tmp_path):
+    layers = CLEAN_LAYERS[:3] + [LayerSpec(LAYERS, final_norm=False)]
+    rows = clean_rows(tiny.samples, sources=[1, 2, 3, LAYERS])
+    res = run(write_dataset(tmp_path / "ds", rows, layers=layers), tiny)
+    assert failed(res) == set()
+
+
+def _edit(tiny: Tiny, k: int, fn) -> list:
+    rows = clean_rows(tiny.samples)
+    sid, ids, mask, h = rows[k]
+    h = h.clone()
+    fn(h)
+    rows[k] = (sid, ids, mask, h)
+    return rows
+
+
+def test_zero_rows(tiny, tmp_path):
+    rows = _edit(tiny, 2, lambda h: h[40:].zero_())
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "zero_or_constant_rows" in failed(res)
+
+
+def test_constant_rows(tiny, tmp_path):
+    rows = _edit(tiny, 1, lambda h: h[5:7, 2].fill_(0.25))
+    res = run(write_dataset(tmp_path / "ds", rows), full=True)
+    assert "zero_or_constant_rows" in failed(res)
+
+
+def test_nan_rows(tiny, tmp_path):
+    rows = _edit(tiny, 3, lambda h: h[7, 1].fill_(math.nan))
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "nonfinite" in failed(res)
+
+
+def test_duplicate_samples(tiny, tmp_path):
+    rows = clean_rows(tiny.samples)
+    sid, ids, mask, h = rows[0]
+    rows.append(("copy-of-s0", ids, mask, h))
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "duplicate_samples" in failed(res)
+    assert "copy-of-s0" in res.check("duplicate_samples").reason
+
+
+def test_empty_loss_mask(tiny, tmp_path):
+    rows = clean_rows(tiny.samples)
+    sid, ids, mask, h = rows[4]
+    rows[4] = (sid, ids, torch.zeros_like(mask), h)
+    res = run(write_dataset(tmp_path / "ds", rows))
+    assert "empty_loss_masks" in failed(res)
+    assert "'s4'" in res.check("empty_loss_masks").reason
+
+
+def test_token_ids_outside_vocab(tiny, tmp_path):
+    top = max(int(s.input_ids.max()) for s in tiny.samples)
+    res = run(write_dataset(tmp_path / "ds", clean_rows(tiny.samples), vocab_size=top))
+    assert "token_ids_in_vocab" in failed(res)
+
+
+def test_sampled_audit_reads_a_subset_and_still_passes(tiny, tmp_path):
+    rows = clean_rows(tiny.samples) * 1
+    rows = [(f"{sid}-{k}", ids, m, h + k * 1e-3) for k in range(4) for sid, ids, m, h in rows]
+    path = write_dataset(tmp_path / "ds", rows)
+    res = run(path, sample_tokens=100)
+    assert res.sampling["mode"] == "sample"
+    assert res.sampling["samples_read"] < len(rows)
+    assert res.sampling["tokens_read"] >= 100
+    assert res.summary["samples"] == len(rows)  # the summary still covers everything
+    assert res.check("duplicate_samples").verdict is Verdict.FAIL  # same ids, found via index
