@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -39,7 +39,7 @@ from hsstore.format.manifest import (
     now_iso,
 )
 from hsstore.format.store import LocalStorage
-from hsstore.segment import SegmentReader, SegmentWriter, finish_checksum
+from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 
 
@@ -415,11 +415,14 @@ class Writer:
         self.storage = ds.storage
         self.manifest = ds.manifest
         self.segment_bytes = segment_bytes
-        self._pool = ThreadPoolExecutor(max_workers=encode_threads or os.cpu_count() or 1)
-        layout = self.manifest.layout
-        self._buffer = np.empty(
-            (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size),
-            dtype=self.manifest.storage_dtype,
+        self._flusher = ShardFlusher(
+            (
+                self.manifest.layout.rows_per_shard,
+                self.manifest.num_layers,
+                self.manifest.hidden_size,
+            ),
+            self.manifest.storage_dtype,
+            encode_threads or os.cpu_count() or 1,
         )
         self._known_segments = {s.id for s in ds.manifest.segments}
         self._committed_ids = set(ds.sample_ids)
@@ -525,7 +528,7 @@ class Writer:
     def _new_segment(self) -> SegmentWriter:
         seg_id = uuid.uuid4().hex
         self._locks[seg_id] = commit.SegmentLock(self.storage, seg_id)
-        return SegmentWriter(self.storage, self.manifest, seg_id, self._buffer, self._pool)
+        return SegmentWriter(self.storage, self.manifest, seg_id, self._flusher)
 
     def _finish_segment(self) -> None:
         if self._segment is not None:
@@ -585,6 +588,8 @@ class Writer:
 
     def abort(self) -> None:
         """Drop every segment not yet committed (its files are deleted)."""
+        with contextlib.suppress(Exception):
+            self._flusher.wait()  # a shard still being written would re-create the folder
         self._segment = None
         self._finished.clear()
         for seg_id, lock in list(self._locks.items()):
@@ -597,7 +602,7 @@ class Writer:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True)
+            self._flusher.close()
 
     def __enter__(self) -> Writer:
         return self

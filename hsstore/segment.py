@@ -8,12 +8,15 @@ the rows asked for, into buffers the caller provides.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -68,16 +71,60 @@ class _PendingSample:
     source: str | None
 
 
+class ShardFlusher:
+    """Two reusable shard buffers and a background thread that encodes and writes full ones.
+
+    Filling shard n+1 overlaps encoding and writing shard n (whose chunks are encoded in a
+    pool of threads); at most one shard is in flight, so memory is two shards per writer.
+    Owned by a `Writer` and reused across its segments (fresh memory is slow to first touch).
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, encode_threads: int):
+        self.shape, self.dtype = shape, dtype
+        self._buffers: list[np.ndarray | None] = [np.empty(shape, dtype), None]
+        self._current = 0
+        self._pool = ThreadPoolExecutor(max_workers=encode_threads)
+        self._thread = ThreadPoolExecutor(max_workers=1)
+        self._inflight: Future[None] | None = None
+
+    def buffer(self) -> np.ndarray:
+        buf = self._buffers[self._current]
+        if buf is None:
+            buf = self._buffers[self._current] = np.empty(self.shape, self.dtype)
+        return buf
+
+    def submit(self, job: Callable[[np.ndarray], None]) -> None:
+        """Run ``job(buffer)`` in the background on the buffer just filled; switch buffers."""
+        self.wait()
+        self._inflight = self._thread.submit(job, self.buffer())
+        self._current ^= 1
+
+    def wait(self) -> None:
+        """Block until the shard in flight is written; re-raise its error if it failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._thread.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+
 @dataclass
 class SegmentWriter:
-    """Fills one segment. The shard buffer is owned by the caller and reused across segments."""
+    """Fills one segment through the writer's `ShardFlusher`."""
 
     storage: Storage
     manifest: Manifest
     segment_id: str
-    shard_buffer: np.ndarray
-    pool: Executor
+    flusher: ShardFlusher
     rows: int = 0
+    bytes_written: int = 0
     _rows_in_buffer: int = 0
     _shards_written: int = 0
     _files: dict[str, FileInfo] = field(default_factory=dict)
@@ -90,16 +137,12 @@ class SegmentWriter:
         self._codec = ChunkCodec(self.manifest.codec, self.manifest.storage_dtype.itemsize)
         self._stats = StatsAccumulator(self.manifest.num_layers, self.manifest.dtype)
         expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
-        if self.shard_buffer.shape != expected:
-            raise FormatError(f"shard buffer shape {self.shard_buffer.shape} != {expected}")
+        if self.flusher.shape != expected:
+            raise FormatError(f"shard buffer shape {self.flusher.shape} != {expected}")
 
     @property
     def num_samples(self) -> int:
         return len(self._samples)
-
-    @property
-    def bytes_written(self) -> int:
-        return sum(f.size for f in self._files.values())
 
     def raw_bytes(self) -> int:
         return (
@@ -127,12 +170,11 @@ class SegmentWriter:
         self._input_ids.append(input_ids)
         self._loss_masks.append(loss_mask)
         done = 0
-        cap = self.shard_buffer.shape[0]
+        cap = self.flusher.shape[0]
         while done < t:
             n = min(t - done, cap - self._rows_in_buffer)
-            self.shard_buffer[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[
-                done : done + n
-            ]
+            buf = self.flusher.buffer()
+            buf[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[done : done + n]
             self._rows_in_buffer += n
             done += n
             if self._rows_in_buffer == cap:
@@ -140,18 +182,24 @@ class SegmentWriter:
         self.rows += t
 
     def _flush_shard(self) -> None:
+        job = functools.partial(self._write_shard, self._rows_in_buffer, self._shards_written)
+        self.flusher.submit(job)
+        self._shards_written += 1
+        self._rows_in_buffer = 0
+
+    def _write_shard(self, filled: int, shard: int, buffer: np.ndarray) -> None:
+        """Encode the chunks of one shard (in the pool) and write the shard file. Background."""
         layout = self.manifest.layout
         rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk
         n_layer_chunks = self.manifest.num_layers // lpc
-        filled = self._rows_in_buffer
         row_chunks = -(-filled // rpc)
-        self.shard_buffer[filled : row_chunks * rpc] = 0  # the edge chunk is padded with fill
+        buffer[filled : row_chunks * rpc] = 0  # the edge chunk is padded with fill
         pieces = [
-            self.shard_buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
+            buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
             for c in range(row_chunks)
             for j in range(n_layer_chunks)
         ]
-        encoded = list(self.pool.map(self._codec.encode, pieces))
+        encoded = self.flusher.map(self._codec.encode, pieces)
         index = np.full((layout.chunks_per_shard, n_layer_chunks, 1, 2), zarr_meta.EMPTY, "<u8")
         offset = 0
         flat = index.reshape(-1, 2)
@@ -159,12 +207,11 @@ class SegmentWriter:
             nbytes = sum(len(p) for p in parts)
             flat[k] = (offset, nbytes)
             offset += nbytes
-        relpath = paths.shard_relpath(self._shards_written)
+        relpath = paths.shard_relpath(shard)
         blobs = [p for parts in encoded for p in parts] + zarr_meta.encode_shard_index(index)
         size = self.storage.write_file(paths.segment_file(self.segment_id, relpath), blobs)
         self._files[relpath] = FileInfo(size)
-        self._shards_written += 1
-        self._rows_in_buffer = 0
+        self.bytes_written += size
 
     def finalize(self) -> SegmentInfo:
         """Write the remaining shard, the metadata and the index; make every file durable."""
@@ -172,6 +219,7 @@ class SegmentWriter:
             raise FormatError("cannot finalize an empty segment")
         if self._rows_in_buffer:
             self._flush_shard()
+        self.flusher.wait()
         man = self.manifest
         small: dict[str, bytes] = {
             "zarr.json": zarr_meta.group_json({"hsstore": {"segment": self.segment_id}}),
@@ -199,6 +247,7 @@ class SegmentWriter:
         for relpath, data in small.items():
             self.storage.write_file(paths.segment_file(self.segment_id, relpath), [data])
             self._files[relpath] = FileInfo(len(data), crc32c(data))
+            self.bytes_written += len(data)
         self.storage.sync(paths.segment_file(self.segment_id, rel) for rel in self._files)
         return SegmentInfo(
             id=self.segment_id,
