@@ -453,16 +453,21 @@ class SegmentReader:
                         f"chunk ({c}, {j}) of committed rows is missing",
                         path=self.storage.path_of(key),
                     )
-                encoded = self._scratch("enc", nbytes)
-                if self.storage.read_into(key, offset, encoded) != nbytes:
-                    raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
                 what = f"{self.storage.path_of(key)} chunk ({c}, {j})"
                 if whole_rows and lo == crow0 and hi == crow0 + rpc:
+                    encoded = self._read_chunk(key, offset, nbytes)
                     dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
                     self._codec.decode_into(encoded, dst, what=what)
                     continue  # whole_rows means a single layer chunk: the row loop ends here
                 scratch = self._scratch("chunk", chunk_nbytes)
-                self._codec.decode_into(encoded, scratch, what=what)
+                # A chunk cut by a sample boundary is usually needed again by the neighbouring
+                # sample: the thread's scratch keeps the last one decoded (chunks never change).
+                if getattr(self._local, "decoded", None) != (c, j):
+                    self._local.decoded = None
+                    self._codec.decode_into(
+                        self._read_chunk(key, offset, nbytes), scratch, what=what
+                    )
+                    self._local.decoded = (c, j)
                 chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
                     rpc, lpc, man.hidden_size
                 )
@@ -474,6 +479,12 @@ class SegmentReader:
                         out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None:
                 hasher.update(out_bytes[lo - start : hi - start])
+
+    def _read_chunk(self, key: str, offset: int, nbytes: int) -> memoryview:
+        encoded = self._scratch("enc", nbytes)
+        if self.storage.read_into(key, offset, encoded) != nbytes:
+            raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
+        return encoded
 
     def _read_raw_rows(
         self, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-# Element-magnitude histogram: bin k counts |x| with floor(log2|x|) == HIST_MIN_EXP + k.
-HIST_MIN_EXP = -24
-HIST_MAX_EXP = 40
-HIST_BINS = HIST_MAX_EXP - HIST_MIN_EXP + 1
+from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP
+
+# Element-magnitude histogram, on the same log2 bins as the write-time row histogram:
+# bin k counts |x| with floor(log2|x|) == HIST_MIN_EXP + k.
+__all__ = ["HIST_BINS", "HIST_MAX_EXP", "HIST_MIN_EXP", "LayerAccumulator"]
 
 
 @dataclass
