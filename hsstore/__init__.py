@@ -4,7 +4,7 @@ Public API: `create`, `open`, `verify`, `gc`, `Dataset`, `Sample`, `Writer`, `La
 and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 """
 
-from hsstore.dataset import Dataset, Sample, Writer, create, open
+from hsstore.dataset import Dataset, Sample, create, open
 from hsstore.errors import (
     BadInputError,
     ConflictError,
@@ -19,6 +19,7 @@ from hsstore.errors import (
 from hsstore.format.layers import LayerSpec
 from hsstore.format.manifest import Manifest, ModelInfo
 from hsstore.integrity import VerifyReport, gc, verify
+from hsstore.writer import Writer
 
 __version__ = "0.1.0"
 
