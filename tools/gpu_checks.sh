@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for a CUDA machine (run from the repository root after
+# `pip install -e '.[dev]'`; the SGLang part also needs `pip install -e '.[sglang]'`).
+# Writes each check's JSON report to OUT (default: gpu_checks_out/) and exits non-zero when
+# either check fails. About two minutes on one H100/H200.
+set -uo pipefail
+out=${1:-gpu_checks_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+rc=0
+python tools/gpu_check_loader.py | tee "$out/loader.json" || rc=1
+if python -c "import sglang" 2>/dev/null; then
+    python -m tools.gpu_check_sglang --out "$out/sglang_work" | tee "$out/sglang.json" || rc=1
+else
+    echo "sglang is not installed: SGLang check skipped" | tee "$out/sglang.json"
+    rc=1
+fi
+exit $rc
