@@ -117,6 +117,26 @@ def test_staged_loader_stops_early_and_resumes(ds, fake_cuda):
     assert got == full
 
 
+def test_staged_loader_crosses_epochs_and_resumes_at_the_boundary(ds, fake_cuda):
+    cpu = Loader(ds.path, max_tokens=48, seed=1)
+    expected = [b["sample_index"].tolist() for b in cpu.iter_epochs(2)]
+    n0 = len(cpu.plan(0))
+    staged = Loader(ds.path, max_tokens=48, seed=1, device="cuda")
+    got = []
+    for b in staged.iter_epochs():
+        got.append(b["sample_index"].tolist())
+        if len(got) == n0:  # the last batch of epoch 0; epoch 1 is being staged already
+            break
+    state = staged.state_dict()
+    assert (state["epoch"], state["step"]) == (0, n0)
+    staged.close()
+    again = Loader(ds.path, max_tokens=48, seed=1, device="cuda")
+    again.load_state_dict(state)
+    got.extend(b["sample_index"].tolist() for b in again.iter_epochs(2))
+    assert got == expected
+    assert fake_cuda.waited == len(expected)
+
+
 def test_real_resolve_device_on_this_machine():
     if torch.cuda.is_available():
         assert prefetch_mod.resolve_device("cuda").type == "cuda"

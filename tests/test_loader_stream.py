@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import numpy as np
@@ -19,6 +20,8 @@ from hsstore.loader import (
     PlannedBatchSampler,
     pack_collate,
 )
+from hsstore.loader.collate import as_eagle3
+from hsstore.loader.fetch import BatchFetcher
 
 H = 32
 MAX_TOKENS = 128
@@ -301,6 +304,31 @@ def test_memory_is_bounded_by_the_ring(ds):
         pointers.add(batch["per_layer_hidden_states"].data_ptr())
     assert 1 <= len(pointers) <= 3  # prefetch + 1 buffers
     assert np.unique(list(pointers)).size == len(pointers)
+
+
+def test_used_buffers_go_back_quietly_while_batches_are_ready(ds):
+    """The hand-off wakes the producer only when the queue is about to run dry (a wake-up
+    inside it can cost the training loop a scheduler tick); otherwise the producer finds the
+    returned buffer by polling, and the batches are the same."""
+    loader = Loader(ds.path, max_tokens=MAX_TOKENS, shuffle=False)
+    plan = loader.plan()
+    fetcher = BatchFetcher(
+        loader.source, loader.choice, loader.shape, iter(plan), num_threads=1, prefetch=2
+    )
+    wakes = []
+    put = fetcher._free.put
+    fetcher._free.put = lambda buf, *a, **k: (wakes.append(buf), put(buf, *a, **k))
+    got = []
+    for raw in fetcher:
+        got.append(raw.sample_index.tolist())
+        _check_batch_values(ds, as_eagle3(raw, loader.choice))
+        deadline = time.monotonic() + 30  # let the producer fill the queue again
+        while not fetcher._out.full() and fetcher._thread.is_alive():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    assert got == [plan.batch(j)[0].tolist() for j in range(len(plan))]
+    assert len(plan) > 6
+    assert len([b for b in wakes if b is not None]) <= 2  # only as the plan runs out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

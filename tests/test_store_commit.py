@@ -215,7 +215,13 @@ def test_reopen_with_layers_named_in_another_convention(tmp_path):
     ds = hsstore.create(path, layers=renamed, hidden_size=32, dtype="bfloat16", exist_ok=True)
     assert [layer.depth for layer in ds.layers] == [1, 4]
     with pytest.raises(hsstore.ConflictError, match="depth, final_norm"):
-        hsstore.create(path, layers=[LayerSpec(2), LayerSpec(4)], hidden_size=32, dtype="bfloat16", exist_ok=True)
+        hsstore.create(
+            path,
+            layers=[LayerSpec(2), LayerSpec(4)],
+            hidden_size=32,
+            dtype="bfloat16",
+            exist_ok=True,
+        )
 
 
 def test_bytes_written_counts_what_reached_disk(tmp_path):
@@ -225,5 +231,9 @@ def test_bytes_written_counts_what_reached_disk(tmp_path):
         w.add("a", *random_sample(300, 2, 32))
         w.commit()
         after_commit = w.bytes_written
-        on_disk = sum(f.size for s in hsstore.open(tmp_path / "ds").manifest.segments for f in s.files.values())
+        on_disk = sum(
+            f.size
+            for s in hsstore.open(tmp_path / "ds").manifest.segments
+            for f in s.files.values()
+        )
         assert after_commit == on_disk > 0

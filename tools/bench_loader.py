@@ -188,6 +188,9 @@ def _loader_runner(path: Path, threads: int, max_tokens: int, verify: bool = Tru
         tokens = 0
         for batch in loader:
             tokens += int(batch["lengths"].sum())
+        # The loader decodes on into the next epoch; stop it so that every timed epoch starts
+        # with an idle pipeline (a head start of prefetched batches would inflate it).
+        loader.close()
         return tokens
 
     return run

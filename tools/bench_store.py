@@ -131,10 +131,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
     hs_z, t_write_z, cpu_write_z = write("blosc-zstd")
     hs_raw, t_write_raw, cpu_write_raw = write("none")
     write_mb_s = raw_bytes / cpu_write_z / 1e6
-    rows.append(("write hsstore blosc-zstd, wall (1 encode thread)", raw_bytes / t_write_z / 1e9, "GB/s"))
+    rows.append(
+        ("write hsstore blosc-zstd, wall (1 encode thread)", raw_bytes / t_write_z / 1e9, "GB/s")
+    )
     rows.append(("write hsstore blosc-zstd, per CPU-second", raw_bytes / cpu_write_z / 1e9, "GB/s"))
     rows.append(("write hsstore uncompressed, wall", raw_bytes / t_write_raw / 1e9, "GB/s"))
-    rows.append(("write hsstore uncompressed, per CPU-second", raw_bytes / cpu_write_raw / 1e9, "GB/s"))
+    rows.append(
+        ("write hsstore uncompressed, per CPU-second", raw_bytes / cpu_write_raw / 1e9, "GB/s")
+    )
     stored = _dir_bytes(hs_z / "segments")
     ratio_synth = raw_bytes / stored
     rows.append(("ratio synthetic LLM-like (whole dataset on disk)", ratio_synth, "x"))

@@ -110,6 +110,8 @@ class DevicePrefetcher:
         if self._stop.is_set():
             return
         self._stop.set()
+        with contextlib.suppress(queue.Empty):  # room for a stager waiting to queue a batch
+            self._q.get_nowait()
         close = getattr(self._host, "close", None)
         if close is not None:
             close()

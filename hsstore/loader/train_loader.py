@@ -1,32 +1,124 @@
 """``Loader``: the one object a training loop needs (plan, decode threads, GPU prefetch, state).
 
-It composes the pieces: the rank's epoch plan (``stream._Planned``), decoding into a ring of
+It composes the pieces: the rank's epoch plan (``plan.rank_plan``), decoding into a ring of
 reusable (pinned, with CUDA) host buffers by a thread pool (``fetch.BatchFetcher``) or by
 DataLoader worker processes, and the side-stream copy to the device
-(``prefetch.DevicePrefetcher``). It counts the batches it has handed to the caller, so
-``state_dict()`` is exact whatever was prefetched.
+(``prefetch.DevicePrefetcher``).
+
+The decode pipeline is not tied to one epoch. Epoch e+1's plan is a pure function of
+``(seed, epoch, rank, world_size)``, so the pipeline plans it itself and rolls straight on
+into it: a training loop never waits for a cold start at an epoch boundary, which on a small
+dataset (a few batches per epoch) would be most of its data wait. The Loader keeps the
+pipeline between iterations for as long as its position is the one the pipeline continues
+from. Every batch comes out tagged with the (epoch, step) it was planned at, and the Loader
+counts only the batches it has handed to the caller, so ``state_dict()`` is exact whatever
+was prefetched.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from hsstore.errors import BadInputError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher
+from hsstore.loader.plan import PlanConfig, rank_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
 from hsstore.loader.stream import HiddenStateStream, _Planned
+
+
+class _Tag(NamedTuple):
+    """Where a decoded batch sits in the plan: step ``step`` of ``epoch_len`` in ``epoch``."""
+
+    epoch: int
+    step: int
+    epoch_len: int
+
+
+def _planned_from(
+    cfg: PlanConfig,
+    num_tokens: np.ndarray,
+    segments: np.ndarray | None,
+    rank: int,
+    world_size: int,
+    epoch: int,
+    step: int,
+    tags: deque[_Tag],
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The rank's planned batches from ``(epoch, step)`` on, epoch after epoch.
+
+    Runs on the fetcher's planning thread, so it takes plain values and never the Loader
+    (a thread holding the Loader would keep it from being collected and closed). Each batch's
+    tag is queued before the batch enters the fetcher, which keeps plan order, so the consumer
+    pops exactly one tag per batch. Stops before the first epoch that has no batches for this
+    rank: planning on would spin through empty epochs forever.
+    """
+    while True:
+        plan = rank_plan(cfg, num_tokens, segments, epoch, rank, world_size)
+        if len(plan) == 0:
+            return
+        for j in range(step, len(plan)):
+            tags.append(_Tag(epoch, j, len(plan)))
+            yield plan.batch(j)
+        epoch, step = epoch + 1, 0
+
+
+class _Pipeline:
+    """Decoded batches from one plan position on, each with its ``_Tag``.
+
+    ``peek`` decodes the next batch without delivering it: the Loader looks at its epoch to
+    tell whether the current epoch is over, and leaves it for the next one. ``last_epoch`` is
+    the last epoch this pipeline covers (None: it runs on until an empty epoch).
+    """
+
+    def __init__(self, batches: Any, tags: deque[_Tag], last_epoch: int | None):
+        self._batches, self._tags, self.last_epoch = batches, tags, last_epoch
+        self._pending: tuple[_Tag, RawBatch] | None = None
+        self.finished = False
+
+    def covers(self, epoch: int) -> bool:
+        return not self.finished and (self.last_epoch is None or epoch <= self.last_epoch)
+
+    def peek(self) -> _Tag | None:
+        """The next batch's tag (decoding it if needed), or None when the pipeline has ended."""
+        if self._pending is None and not self.finished:
+            try:
+                raw = next(self._batches)
+            except StopIteration:
+                self.finished = True
+                return None
+            self._pending = (self._tags.popleft(), raw)
+        return None if self._pending is None else self._pending[0]
+
+    def take(self) -> RawBatch:
+        """Deliver the peeked batch."""
+        assert self._pending is not None, "take() without a successful peek()"
+        raw = self._pending[1]
+        self._pending = None
+        return raw
+
+    def close(self) -> None:
+        self.finished = True
+        self._pending = None
+        self._batches.close()
 
 
 class Loader(_Planned):
     """Batches of an hsstore dataset for this rank, on ``device`` (or the CPU).
 
-    See docs/LOADER.md for the options and the batch keys. On the CPU a yielded batch is valid
-    until the next one is requested (its buffers are reused); on a GPU every batch is a fresh
-    device allocation and stays valid.
+    See docs/LOADER.md for the options and the batch keys. ``for batch in loader`` runs the
+    rest of the current epoch; ``loader.iter_epochs(n)`` runs on through epoch ``n - 1``
+    (forever with None). Either way decoding continues across epoch boundaries. On the CPU a
+    yielded batch is valid until the next one is requested (its buffers are reused); on a GPU
+    every batch is a fresh device allocation and stays valid. ``close()`` stops the decode
+    threads now rather than when the Loader is garbage collected.
     """
 
     def __init__(
@@ -40,10 +132,17 @@ class Loader(_Planned):
         **options: Any,
     ):
         super().__init__(dataset, **options)
+        if num_threads < 1 or prefetch < 1 or workers < 0:
+            raise ValueError("need num_threads >= 1, prefetch >= 1 and workers >= 0")
         self.device = resolve_device(device)
         self.num_threads, self.prefetch, self.workers = num_threads, prefetch, workers
         self._ring: list[HostBuffers] | None = None  # allocated on first use, kept for good
-        self._active: Any = None
+        self._pipe: _Pipeline | None = None
+        self._pipe_pos: tuple[int, int] | None = None  # the position _pipe continues from
+        self._epoch_len: tuple[int, int] | None = None  # (epoch, batches), once seen in a tag
+        self._owner: object | None = None  # the iterator currently delivering batches
+
+    # --- position ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """``{"version", "epoch", "step", "seed", "fingerprint"}``: batches delivered so far."""
@@ -53,44 +152,140 @@ class Loader(_Planned):
         """Continue with exactly the batches the saving run had not delivered yet."""
         self._check_state(state)
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self._release_if_moved()
 
-    def _host_batches(self) -> Iterator[RawBatch]:
-        pin = self.device is not None and self.device.type == "cuda"  # page-locked for async H2D
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` from its start; a no-op if already there (keeps a resumed step,
+        and the batches already decoded for it)."""
+        super().set_epoch(epoch)
+        self._release_if_moved()
+
+    def close(self) -> None:
+        """Stop decoding and release the threads (idempotent; iterating again restarts)."""
+        if self._pipe is not None:
+            pipe, self._pipe, self._pipe_pos = self._pipe, None, None
+            pipe.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _release_if_moved(self) -> None:
+        """Batches decoded for another position are of no use: stop decoding them now."""
+        if self._pipe is not None and self._pipe_pos != (self.epoch, self.step):
+            self.close()
+
+    # --- iteration -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The rest of the current epoch; when it has all been delivered, the Loader moves
+        to the next epoch (whose first batches are already being decoded)."""
+        yield from self._deliver(self.epoch + 1)
+
+    def iter_epochs(self, num_epochs: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches from the current position through the end of epoch ``num_epochs - 1``.
+
+        The same batches as ``for e in range(loader.epoch, num_epochs): loader.set_epoch(e);
+        yield from loader``; ``num_epochs=None`` runs forever (a trainer that counts steps).
+        ``loader.epoch`` is the epoch of the batch last delivered; ``state_dict()`` resumes
+        exactly at any point, epoch boundaries included. Unbounded, an epoch with no batches
+        for this rank raises ``BadInputError`` instead of looping without yielding.
+        """
+        yield from self._deliver(num_epochs)
+
+    def _deliver(self, num_epochs: int | None) -> Iterator[dict[str, torch.Tensor]]:
+        # The most recently started iterator owns the loader; an older one, resumed later,
+        # stops instead of stealing batches (and moving the position) behind its back.
+        token = self._owner = object()
+        while num_epochs is None or self.epoch < num_epochs:
+            epoch, started_at, delivered = self.epoch, self.step, 0
+            while not self._epoch_done():
+                pipe = self._pipeline()
+                try:
+                    tag = pipe.peek()
+                except BaseException:
+                    self.close()  # the fetcher is dead after an error; the next call restarts
+                    raise
+                if tag is None or tag.epoch != epoch:  # nothing (more) in this epoch
+                    break
+                assert tag.step == self.step, (tag, self.step)
+                raw = pipe.take()
+                self.step = tag.step + 1
+                self._pipe_pos = (epoch, self.step)
+                self._epoch_len = (epoch, tag.epoch_len)
+                delivered += 1
+                yield as_eagle3(raw, self.choice)
+                if self._owner is not token:
+                    return
+            in_sync = self._pipe_pos == (self.epoch, self.step)
+            self.epoch, self.step = epoch + 1, 0
+            if in_sync:  # the pipeline runs on into this epoch: keep it
+                self._pipe_pos = (self.epoch, 0)
+            if num_epochs is None and delivered == 0 and started_at == 0:
+                raise BadInputError(
+                    f"rank {self.rank} of {self.world_size} has no batches in epoch {epoch} "
+                    "(empty dataset, or tail='drop' with fewer batches than ranks)",
+                    path=self.source.path,
+                )
+
+    def _epoch_done(self) -> bool:
+        """Whether the current epoch was delivered to its end (known from the last tag)."""
+        known = self._epoch_len
+        return known is not None and known[0] == self.epoch and self.step >= known[1]
+
+    def _pipeline(self) -> _Pipeline:
+        """The live pipeline if it continues from the current position, else a fresh one."""
+        pipe = self._pipe
+        if pipe is not None and (
+            self._pipe_pos != (self.epoch, self.step) or not pipe.covers(self.epoch)
+        ):
+            self.close()
+            pipe = None
+        if pipe is None:
+            pipe = self._pipe = self._start_pipeline()
+            self._pipe_pos = (self.epoch, self.step)
+        return pipe
+
+    def _start_pipeline(self) -> _Pipeline:
+        pin = self.device is not None and self.device.type == "cuda"  # page-locked: async H2D
+        tags: deque[_Tag] = deque()
+        host: Any
         if self.workers == 0:
-            plan, start = self.plan(), self.step
             if self._ring is None:
                 self._ring = BatchFetcher.make_ring(
                     self.source, self.choice, self.shape, self.prefetch, pin
                 )
-            return BatchFetcher(
+            planned = _planned_from(
+                self.config,
+                self.source.num_tokens,
+                self.source.segments,
+                self.rank,
+                self.world_size,
+                self.epoch,
+                self.step,
+                tags,
+            )
+            host = BatchFetcher(
                 self.source,
                 self.choice,
                 self.shape,
-                (plan.batch(j) for j in range(start, len(plan))),
+                planned,
                 num_threads=self.num_threads,
                 prefetch=self.prefetch,
                 reuse_buffers=True,
                 pin_memory=pin,
                 ring=self._ring,
             )
-        return _WorkerBatches(self, pin)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._active is not None:  # an abandoned iterator must release the shared ring
-            self._active.close()
-        host = self._host_batches()
-        batches: Any = host if self.device is None else DevicePrefetcher(host, self.device)
-        self._active = batches
-        try:
-            for raw in batches:
-                self.step += 1
-                yield as_eagle3(raw, self.choice)
-        finally:
-            batches.close()
-            if self._active is batches:
-                self._active = None
-        if self.step >= len(self.plan()):  # the whole epoch was delivered (not cut short)
-            self.epoch, self.step = self.epoch + 1, 0
+            last_epoch = None
+        else:
+            # Worker processes iterate one epoch each (DataLoader's round robin over workers
+            # is per epoch): the pipeline covers the current epoch only.
+            n = len(self.plan())
+            tags.extend(_Tag(self.epoch, j, n) for j in range(self.step, n))
+            host = _WorkerBatches(self, pin)
+            last_epoch = self.epoch
+        batches = host if self.device is None else DevicePrefetcher(host, self.device)
+        return _Pipeline(batches, tags, last_epoch)
 
 
 class _WorkerBatches:

@@ -200,15 +200,6 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def forever(loader):
-    """Batches across epochs; after a resume, starts at the loader's restored position."""
-    epoch = loader.epoch
-    while True:
-        loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
 def _window_mean(values: list[float], first: bool) -> float:
     """Mean of the first or last tenth of a run (at least 1, at most 20 steps): one batch is
     too noisy to compare the start and the end of a run."""
@@ -346,7 +337,9 @@ def train(args: argparse.Namespace) -> dict:
     # The loop. Data wait = time blocked on the loader; with prefetch it should be near zero.
     use_bf16 = device.type == "cuda"
     history: list[dict] = []
-    batches = forever(loader)
+    # One iterator across epochs, from the loader's (possibly restored) position: the loader
+    # decodes the next epoch's first batches while this one's last steps train.
+    batches = loader.iter_epochs()
     wait_total, run_start = 0.0, time.perf_counter()
     stop = min(args.steps, start_step + args.stop_after) if args.stop_after else args.steps
     model.train()
@@ -396,7 +389,7 @@ def train(args: argparse.Namespace) -> dict:
             )
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < stop:
             checkpoint(step + 1)
-    batches.close()  # stops the loader's decode threads now, not at garbage collection
+    loader.close()  # stops the decode threads now, not at garbage collection
     if stop > start_step:
         checkpoint(stop)
 
