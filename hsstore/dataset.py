@@ -192,17 +192,31 @@ class Dataset:
         )
 
     def _load(self, manifest: Manifest) -> None:
+        # Segments are immutable: on refresh, keep the readers (and their decoded indexes and
+        # caches) of segments already loaded, so following a growing dataset costs only the
+        # new segments.
+        known = {
+            r.info.id: (r, t)
+            for r, t in zip(getattr(self, "_readers", []), getattr(self, "_tables", []))
+        }
         self.manifest = manifest
-        self._readers = [SegmentReader(self.storage, manifest, s) for s in manifest.segments]
-        tables = []
-        for k, reader in enumerate(self._readers):
-            t = reader.index()
-            if t.num_rows != reader.info.num_samples:
-                raise IntegrityError(
-                    f"index has {t.num_rows} rows, manifest says {reader.info.num_samples}",
-                    path=reader.where(paths.INDEX),
-                )
-            tables.append(t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32))))
+        self._readers, self._tables = [], []
+        for info in manifest.segments:
+            reader, table = known.get(info.id, (None, None))
+            if reader is None or table is None:
+                reader = SegmentReader(self.storage, manifest, info)
+                table = reader.index()
+                if table.num_rows != info.num_samples:
+                    raise IntegrityError(
+                        f"index has {table.num_rows} rows, manifest says {info.num_samples}",
+                        path=reader.where(paths.INDEX),
+                    )
+            self._readers.append(reader)
+            self._tables.append(table)
+        tables = [
+            t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32)))
+            for k, t in enumerate(self._tables)
+        ]
         if tables:
             self.index: pa.Table = pa.concat_tables(tables)
         else:

@@ -237,3 +237,18 @@ def test_bytes_written_counts_what_reached_disk(tmp_path):
             for f in s.files.values()
         )
         assert after_commit == on_disk > 0
+
+
+def test_refresh_reuses_loaded_segments_and_sees_new_ones(tmp_path):
+    path = tmp_path / "ds"
+    ds = _make(path)
+    reader_view = hsstore.open(path)
+    with ds.writer() as w:
+        w.add("a", *random_sample(5, 2, 32))
+    reader_view.refresh()
+    first = reader_view.segment_reader(0)
+    with ds.writer() as w:
+        w.add("b", *random_sample(6, 2, 32))
+    reader_view.refresh()
+    assert reader_view.segment_reader(0) is first  # immutable segments are not reloaded
+    assert reader_view.sample_ids == ["a", "b"] and reader_view.get("b").num_tokens == 6
