@@ -396,6 +396,13 @@ class SegmentReader:
         present = idx[:, :, 0] != zarr_meta.EMPTY
         if np.any(idx[present][:, 0] + idx[present][:, 1] > data_end):
             raise IntegrityError("shard index points past the end of the data", path=where)
+        if not self.manifest.codec.compressed:
+            # Raw chunks are read row by row at computed offsets: their size must be exact.
+            raw = self.manifest.layout.rows_per_chunk * self._row_bytes_chunk + 4
+            if np.any(idx[present][:, 1] != raw):
+                raise IntegrityError(
+                    f"shard index lists a raw chunk that is not {raw} bytes", path=where
+                )
         return idx
 
     def _scratch(self, name: str, nbytes: int) -> memoryview:

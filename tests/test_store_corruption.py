@@ -151,3 +151,25 @@ def test_clean_dataset_verifies(tmp_path):
     report = hsstore.verify(tmp_path / "ds")
     assert report.ok and report.samples_checked == len(LENGTHS)
     assert report.bytes_read > 0 and report.to_json()["ok"] is True
+
+
+def test_shard_index_with_valid_crc_but_wrong_sizes_is_refused(tmp_path):
+    """A reader trusts nothing it reads: an index that passes its crc must still make sense."""
+    import struct
+
+    import numpy as np
+
+    from hsstore.codecs import crc32c
+
+    ds = _build(tmp_path / "ds", "none")
+    shard = _shards(ds)[0]
+    data = bytearray(shard.read_bytes())
+    layout = ds.manifest.layout
+    n = layout.chunks_per_shard
+    index = np.frombuffer(bytes(data[-(16 * n + 4) : -4]), dtype="<u8").reshape(n, 2).copy()
+    index[0, 1] -= 8  # claims a raw chunk shorter than a chunk: reads would run into the next
+    body = index.tobytes()
+    data[-(16 * n + 4) :] = body + struct.pack("<I", crc32c(body))
+    shard.write_bytes(bytes(data))
+    with pytest.raises(hsstore.IntegrityError, match="raw chunk"):
+        hsstore.open(tmp_path / "ds", verify_reads=False).get("s0")
