@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import pickle
 import re
 import zipfile
@@ -90,6 +91,14 @@ class SourceReader(ABC):
 # ----------------------------------------------------------------------------- file discovery
 
 _INDEX_RE = re.compile(r"(\d+)")
+
+
+def require_dir(path: str | os.PathLike) -> Path:
+    """The folder a reader opens, or BadInputError naming it."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise BadInputError("not a directory", path=str(folder))
+    return folder
 
 
 def natural_key(name: str) -> tuple:

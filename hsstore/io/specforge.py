@@ -31,6 +31,7 @@ from hsstore.io.base import (
     int_view,
     load_torch_file,
     natural_key,
+    require_dir,
     require_keys,
     strip_suffix,
     unique_stems,
@@ -63,9 +64,7 @@ class SpecForgeReader(SourceReader):
         layer_ids: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
     ) -> None:
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise BadInputError("not a directory", path=str(self.path))
+        self.path = require_dir(path)
         self._files = list_data_files(self.path)
         if not self._files:
             raise BadInputError(

@@ -28,7 +28,14 @@ from safetensors import SafetensorError, safe_open
 
 from hsstore.errors import BadInputError
 from hsstore.format.conventions import VLLM, ConventionError, to_canonical
-from hsstore.io.base import FLOAT_DTYPES, SourceItem, SourceReader, check_hidden, check_tokens
+from hsstore.io.base import (
+    FLOAT_DTYPES,
+    SourceItem,
+    SourceReader,
+    check_hidden,
+    check_tokens,
+    require_dir,
+)
 
 FORMAT = "speculators-arrow"
 HS_DIR = "hidden_states"
@@ -79,9 +86,7 @@ class SpeculatorsArrowReader(SourceReader):
         layer_ids: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
     ) -> None:
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise BadInputError("not a directory", path=str(self.path))
+        self.path = require_dir(path)
         self.hs_dir = self.path / HS_DIR
         if not self.hs_dir.is_dir():
             raise BadInputError(

@@ -36,6 +36,7 @@ from hsstore.io.base import (
     dtype_name,
     file_index,
     load_torch_file,
+    require_dir,
     require_keys,
     stack_layers,
     unique_stems,
@@ -75,9 +76,7 @@ class SpeculatorsV1Reader(SourceReader):
         layer_ids: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
     ) -> None:
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise BadInputError("not a directory", path=str(self.path))
+        self.path = require_dir(path)
         self._files = list_data_files(self.path)
         if not self._files:
             raise BadInputError("no data_{i}.pt files found", path=str(self.path))
