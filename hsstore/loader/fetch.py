@@ -41,6 +41,19 @@ from hsstore.loader.collate import (
 from hsstore.loader.source import DatasetSource, LayerChoice
 
 _POLL_S = 0.1
+
+
+def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Put into a bounded queue, giving up (False) once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 _FIRST_POLL_S = 0.001
 _END = object()
 
@@ -180,13 +193,7 @@ class BatchFetcher:
         return None
 
     def _put(self, item: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._out.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._out, item, self._stop)
 
     def _decode(self, raw: RawBatch, p: Placement, doc: int, i: int) -> None:
         ids, mask = self.source.read_tokens(i)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from hsstore.loader.collate import RawBatch
+from hsstore.loader.fetch import put_unless_stopped
 
-_POLL_S = 0.1
 _END = object()
 
 
@@ -78,13 +78,7 @@ class DevicePrefetcher:
             self._put(exc)
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._q, item, self._stop)
 
     def __iter__(self) -> DevicePrefetcher:
         return self
