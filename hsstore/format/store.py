@@ -80,7 +80,11 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str | os.PathLike[str], *, max_open_files: int = 128):
         self.root = str(Path(root))
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        # key -> [fd, readers using it]. A descriptor evicted while a thread still reads
+        # through it is closed by the last user (closing it under a reader could hand its
+        # number to another file mid-read).
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()
+        self._evicted: dict[int, int] = {}
         self._fd_lock = threading.Lock()
         self._max_open = max_open_files
         self._pid = os.getpid()
@@ -92,39 +96,53 @@ class LocalStorage(Storage):
         with open(self._abs(key), "rb") as f:
             return f.read()
 
-    def _fd(self, key: str) -> int:
-        # Descriptors are per process: after a fork, start a fresh cache (never close the
-        # parent's numbers, which the parent still uses).
+    @contextlib.contextmanager
+    def _fd(self, key: str) -> Iterator[int]:
         with self._fd_lock:
+            # Descriptors are per process: after a fork, start a fresh cache (never close the
+            # parent's numbers, which the parent still uses).
             if self._pid != os.getpid():
-                self._fds = OrderedDict()
-                self._pid = os.getpid()
-            fd = self._fds.get(key)
-            if fd is not None:
+                self._fds, self._evicted, self._pid = OrderedDict(), {}, os.getpid()
+            entry = self._fds.get(key)
+            if entry is None:
+                entry = self._fds[key] = [os.open(self._abs(key), os.O_RDONLY), 0]
+                while len(self._fds) > self._max_open:
+                    _, (old, users) = self._fds.popitem(last=False)
+                    if users:
+                        self._evicted[old] = users
+                    else:
+                        os.close(old)
+            else:
                 self._fds.move_to_end(key)
-                return fd
-            fd = os.open(self._abs(key), os.O_RDONLY)
-            self._fds[key] = fd
-            while len(self._fds) > self._max_open:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
-            return fd
+            entry[1] += 1
+            fd = entry[0]
+        try:
+            yield fd
+        finally:
+            with self._fd_lock:
+                current = self._fds.get(key)
+                if current is not None and current[0] == fd:
+                    current[1] -= 1
+                elif fd in self._evicted:
+                    self._evicted[fd] -= 1
+                    if not self._evicted[fd]:
+                        del self._evicted[fd]
+                        os.close(fd)
 
     def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        fd = self._fd(key)
         total = 0
-        view = out
-        while total < len(out):
-            n = os.preadv(fd, [view[total:]], offset + total)
-            if n == 0:
-                break
-            total += n
+        with self._fd(key) as fd:
+            while total < len(out):
+                n = os.preadv(fd, [out[total:]], offset + total)
+                if n == 0:
+                    break
+                total += n
         return total
 
     def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
-        fd = self._fd(key)
         want = sum(len(b) for b in buffers)
-        n = os.preadv(fd, buffers, offset)
+        with self._fd(key) as fd:
+            n = os.preadv(fd, buffers, offset)
         if n == want or n == 0:
             return n
         # A short read (signal, page-cache pressure): finish buffer by buffer.
@@ -206,10 +224,14 @@ class LocalStorage(Storage):
             os.unlink(self._abs(key))
 
     def close(self) -> None:
+        """Close idle descriptors; ones in use are closed by their last reader."""
         with self._fd_lock:
             if self._pid == os.getpid():
-                for fd in self._fds.values():
-                    os.close(fd)
+                for fd, users in self._fds.values():
+                    if users:
+                        self._evicted[fd] = self._evicted.get(fd, 0) + users
+                    else:
+                        os.close(fd)
             self._fds = OrderedDict()
 
     def __getstate__(self) -> dict:

@@ -1,0 +1,48 @@
+"""The local storage layer: put-if-absent, scatter reads, descriptor cache under threads."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from hsstore.format.store import LocalStorage
+
+
+def test_put_if_absent_is_exclusive(tmp_path):
+    store = LocalStorage(tmp_path)
+    assert store.put_if_absent("m/v1.json", b"first")
+    assert not store.put_if_absent("m/v1.json", b"second")
+    assert store.read_bytes("m/v1.json") == b"first"
+    assert not [n for n in os.listdir(tmp_path / "m") if n.startswith(".tmp-")]
+
+
+def test_scatter_read_fills_buffers_in_order(tmp_path):
+    store = LocalStorage(tmp_path)
+    store.write_file("f", [bytes(range(256))])
+    a, junk, b = bytearray(10), bytearray(4), bytearray(6)
+    got = store.read_scatter("f", 100, [memoryview(a), memoryview(junk), memoryview(b)])
+    assert got == 20
+    assert bytes(a) == bytes(range(100, 110)) and bytes(b) == bytes(range(114, 120))
+
+
+def test_threads_reading_more_files_than_the_descriptor_cache_holds(tmp_path):
+    """Evicting a descriptor another thread is reading through must not corrupt that read."""
+    store = LocalStorage(tmp_path, max_open_files=2)
+    payloads = {}
+    for k in range(12):
+        data = np.random.default_rng(k).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+        store.write_file(f"shard{k}", [data])
+        payloads[f"shard{k}"] = data
+
+    def read(i: int) -> bool:
+        key = f"shard{i % 12}"
+        out = bytearray(1 << 16)
+        n = store.read_into(key, 0, memoryview(out))
+        return n == len(out) and bytes(out) == payloads[key]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(read, range(2000)))
+    store.close()
+    assert not store._evicted  # every descriptor evicted in use was closed by its last reader
