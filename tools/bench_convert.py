@@ -40,15 +40,7 @@ from hsstore.convert import convert_to_hsstore  # noqa: E402
 from hsstore.io import open_source  # noqa: E402
 from hsstore.io.pipeline import default_workers, ordered_map, torch_threads  # noqa: E402
 from tools.convert_fixtures import write_v1_dir  # noqa: E402
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from tools.timing import best_of  # noqa: E402
 
 
 def main() -> None:
@@ -138,17 +130,17 @@ def main() -> None:
             return run
 
         # Cold first (evicting disturbs nothing that follows), then warm.
-        t_load_cold = _best(cold(torchload), args.repeats)
-        t_conv_cold = _best(cold(lambda: convert(None)), args.repeats)
+        t_load_cold = best_of(cold(torchload), args.repeats)
+        t_conv_cold = best_of(cold(lambda: convert(None)), args.repeats)
         for f in files:
             f.read_bytes()
-        t_load = _best(torchload, args.repeats)
-        t_read = _best(read_only, args.repeats)
+        t_load = best_of(torchload, args.repeats)
+        t_read = best_of(read_only, args.repeats)
         for _ in range(args.repeats):
             write_only()
         t_write = min(write_times)
-        t_conv = _best(lambda: convert(None), args.repeats)
-        t_none = _best(lambda: convert("none"), args.repeats)
+        t_conv = best_of(lambda: convert(None), args.repeats)
+        t_none = best_of(lambda: convert("none"), args.repeats)
         gb = nbytes / 1e9
         print(
             f"{args.samples} samples, {sum(lengths)} tokens, [T, {args.layers}, {args.hidden}] "

@@ -31,20 +31,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
+from tools.timing import best_of  # noqa: E402
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def _best(fn, repeats: int) -> float:
-    """Best-of-N wall time: the least disturbed run on a shared machine."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure_ratio(
@@ -206,7 +197,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     speeds = {}
     for name, fn in readers.items():
         fn()
-        speeds[name] = raw_bytes / _best(fn, args.repeats) / 1e9
+        speeds[name] = raw_bytes / best_of(fn, args.repeats) / 1e9
         rows.append((f"read {name}", speeds[name], "GB/s"))
 
     # -- realistic activations -----------------------------------------------------------------
