@@ -326,7 +326,11 @@ class SegmentReader:
         return data
 
     def index(self) -> pa.Table:
-        table = pq.read_table(pa.BufferReader(self.read_small(paths.INDEX)))
+        # ParquetFile, read on this thread: pq.read_table goes through pyarrow.dataset, whose
+        # fragments can be released later on an Arrow pool thread; one holding our Python
+        # buffer at interpreter exit aborts the process (it cannot take the GIL any more).
+        with pq.ParquetFile(pa.BufferReader(self.read_small(paths.INDEX))) as index_file:
+            table = index_file.read(use_threads=False)
         if not table.schema.equals(INDEX_SCHEMA, check_metadata=False):
             raise FormatError("index has an unexpected schema", path=self.where(paths.INDEX))
         return table
