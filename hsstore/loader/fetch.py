@@ -38,6 +38,7 @@ from hsstore.loader.collate import (
     placements,
     write_tokens,
 )
+from hsstore.loader.shutdown import close_at_exit
 from hsstore.loader.source import DatasetSource, LayerChoice
 
 _POLL_S = 0.1
@@ -123,6 +124,7 @@ class BatchFetcher:
         self._thread = threading.Thread(
             target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
         )
+        close_at_exit(self)
         self._thread.start()
 
     @staticmethod

@@ -23,6 +23,7 @@ import torch
 
 from hsstore.loader.collate import RawBatch
 from hsstore.loader.fetch import put_unless_stopped
+from hsstore.loader.shutdown import close_at_exit
 
 _END = object()
 
@@ -59,6 +60,7 @@ class DevicePrefetcher:
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._stage, name="hsstore-h2d", daemon=True)
+        close_at_exit(self)
         self._thread.start()
 
     def _stage(self) -> None:

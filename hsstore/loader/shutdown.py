@@ -1,0 +1,43 @@
+"""Stopping the loader's background threads before the interpreter tears itself down.
+
+The producer and stager threads are daemons so that a forgotten loader never keeps a process
+alive. But a daemon thread still inside a torch or numpy call when the interpreter finalizes
+is terminated as it tries to take the GIL back, and unwinding its C++ frames aborts the whole
+process ("terminate called without an active exception"): a training script that breaks out
+of its loop and exits would die with SIGABRT now and then. Every thread owner registers here;
+an ``atexit`` hook, which runs while threads can still finish their call, closes the ones
+still open.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import weakref
+from typing import Protocol
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+_open: weakref.WeakSet[Closeable] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def close_at_exit(owner: Closeable) -> None:
+    """Have ``owner.close()`` called at interpreter exit if it is still alive then."""
+    with _lock:
+        _open.add(owner)
+
+
+def _close_all() -> None:
+    with _lock:
+        owners = list(_open)
+    for owner in owners:
+        with contextlib.suppress(Exception):
+            owner.close()
+
+
+atexit.register(_close_all)

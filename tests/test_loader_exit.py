@@ -1,0 +1,59 @@
+"""A script that leaves its loader open and exits must exit cleanly.
+
+Daemon threads caught inside a torch call while the interpreter finalizes abort the process;
+the loader therefore stops its threads from an ``atexit`` hook. The child process checks, from
+a hook that runs after the loader's own, that no loader thread is left running.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import hsstore
+from hsstore import LayerSpec
+from tools.synthetic import random_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent(
+    """
+    import atexit, sys, threading
+
+    def report():  # atexit runs hooks last-registered first: this one runs after hsstore's
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("hsstore-plan"))
+        print("alive:" + ",".join(alive), flush=True)
+
+    atexit.register(report)
+
+    import hsstore
+    from hsstore.loader import Loader
+
+    loader = Loader(hsstore.open(sys.argv[1]), max_tokens=256, num_threads=2, prefetch=2)
+    for k, batch in enumerate(loader):
+        if k == int(sys.argv[2]):
+            break  # leave the loader open, mid-epoch, and exit
+    print("broke out", flush=True)
+    """
+)
+
+
+def test_exit_with_an_open_loader_stops_its_threads(tmp_path):
+    path = tmp_path / "ds"
+    ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
+                        dtype=torch.bfloat16)  # fmt: skip
+    with ds.writer() as w:
+        for i in range(40):
+            w.add(f"s{i}", *random_sample(30 + i, 2, 64, seed=i))
+    for stop_after in (0, 3):
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, str(path), str(stop_after)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.split()
+        assert lines == ["broke", "out", "alive:"], (lines, proc.stderr)
