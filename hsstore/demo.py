@@ -50,8 +50,8 @@ def run_demo(out: str | Path, *, workers: int = 2, progress: bool = True) -> dic
     from hsstore.audit.report import to_text
     from hsstore.audit.run import AuditOptions, audit
     from hsstore.convert import export_to_v1
+    from hsstore.demo_model import build_tiny_model
     from hsstore.loader import Loader
-    from tools.tiny_model import build_tiny_model
 
     out = Path(out)
     if out.exists():

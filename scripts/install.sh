@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One command for a fresh machine: a virtual environment with hsstore and its dev tools.
-# torch is pinned to the 2.13.0 CPU wheel first, so nothing later pulls a multi-GB CUDA build.
+# Makes .venv with hsstore (editable) and its dev tools. `make demo` and `make test` run this
+# on first use; run it again after changing dependencies. Keep it one linear list of steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet "torch==2.13.0"
+# torch first, pinned to its CPU build, so nothing later pulls a multi-GB CUDA build. On a GPU
+# machine pick the build you need, e.g. TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://pypi.org/simple
+if [ "$(uname -s)" = Linux ]; then TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}; fi
+python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}" \
+    --extra-index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 python -m pip install --quiet -e '.[dev]'
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"
-echo "activate with: . .venv/bin/activate"

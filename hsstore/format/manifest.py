@@ -1,6 +1,7 @@
 """The manifest: one committed version of a dataset, as typed objects.
 
-Every manifest hsstore writes or reads is validated against ``schemas/manifest.schema.json``.
+Every manifest hsstore writes or reads is validated against ``manifest.schema.json``, read as
+package data from ``hsstore/schemas/`` (so an installed wheel finds it too).
 A manifest from a newer format version is refused instead of misread.
 """
 
@@ -10,12 +11,12 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hsstore import schemas
 from hsstore.codecs import CodecConfig
 from hsstore.errors import FormatError, SchemaError, UnsupportedVersionError
 from hsstore.format.layers import LayerSpec
@@ -32,8 +33,6 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 STORAGE_DTYPE_NAMES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 COLUMN_DTYPES = {"input_ids": "int32", "loss_mask": "uint8"}
-
-_SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "manifest.schema.json"
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -290,7 +289,7 @@ class Manifest:
 
 @lru_cache(maxsize=1)
 def schema() -> dict[str, Any]:
-    return json.loads(_SCHEMA_PATH.read_text())
+    return schemas.load(schemas.MANIFEST)
 
 
 @lru_cache(maxsize=1)

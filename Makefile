@@ -1,0 +1,27 @@
+# Two commands on a fresh machine: `make demo` runs the built-in example, `make test` runs the
+# linter and the test suite (what CI runs). Each creates .venv on first use.
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+DEMO_OUT := demo_out
+
+.PHONY: demo test schemas
+
+# Re-run the installer when the dependencies or the installer change.
+$(INSTALLED): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+demo: $(INSTALLED)
+	rm -rf $(DEMO_OUT)
+	$(BIN)/hsstore demo $(DEMO_OUT)
+
+test: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+# The top-level schemas/ is the published copy and the one to edit; the code reads the copy
+# inside the package (tests/test_packaging.py fails until this is run after an edit).
+schemas:
+	cp schemas/*.json hsstore/schemas/

@@ -1,0 +1,120 @@
+"""The package as people install it: a wheel that works outside the repository.
+
+The wheel is built from a copy of the source tree, installed into a fresh virtual environment
+in a temporary folder, and `hsstore demo` runs there from another folder. The environment gets
+its third-party packages (torch, zarr, transformers, ...) from the running interpreter's
+site-packages through a ``.pth`` file instead of downloading them, so the test takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED_SCHEMAS = ROOT / "schemas"
+PACKAGE_SCHEMAS = ROOT / "hsstore" / "schemas"
+_NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "bench_out"
+)
+
+
+def test_package_schemas_are_the_published_ones():
+    # The top-level schemas/ is the source of truth (the copy people link to and edit); the
+    # code reads the copy inside the package. `make schemas` brings the package copy up to date.
+    published = sorted(p.name for p in PUBLISHED_SCHEMAS.glob("*.json"))
+    packaged = sorted(p.name for p in PACKAGE_SCHEMAS.glob("*.json"))
+    assert published == packaged and published, "run `make schemas`"
+    for name in published:
+        assert (PUBLISHED_SCHEMAS / name).read_bytes() == (PACKAGE_SCHEMAS / name).read_bytes(), (
+            f"schemas/{name} differs from hsstore/schemas/{name}: run `make schemas`"
+        )
+
+
+def test_code_reads_the_package_schema():
+    from hsstore import schemas
+    from hsstore.format import manifest
+
+    assert manifest.schema() == schemas.load(schemas.MANIFEST)
+    assert manifest.schema() == json.loads((PUBLISHED_SCHEMAS / schemas.MANIFEST).read_text())
+
+
+def _shared_site_packages() -> list[str]:
+    """Where the running interpreter finds its third-party packages, minus this repository."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir() and Path(d) != ROOT]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src") / "hsstore"
+    shutil.copytree(ROOT, src, ignore=_NOT_SOURCE)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(src)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    (whl,) = out.glob("hsstore-*.whl")
+    return whl
+
+
+def test_wheel_ships_the_library_and_not_the_tools(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"hsstore", "extractors", "trainers"}
+    for needed in ("manifest.schema.json", "inspect.schema.json"):
+        assert f"hsstore/schemas/{needed}" in names
+    assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
+
+
+def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
+    env_dir = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    python = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+         "--no-index", str(wheel)],
+        check=True, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    # Only after installing, or pip would take the shared editable hsstore for this one. Plain
+    # directory lines: those folders' own .pth files (the editable hsstore) stay inactive.
+    Path(purelib, "shared_site.pth").write_text("\n".join(_shared_site_packages()) + "\n")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def run(*args: str | Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(a) for a in args], cwd=elsewhere, env=env, capture_output=True, text=True
+        )
+
+    where = run(python, "-c", "import hsstore, extractors; print(hsstore.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert Path(where.stdout.strip()).is_relative_to(env_dir), where.stdout
+    no_tools = run(python, "-c", "import tools")
+    assert no_tools.returncode != 0 and "No module named 'tools'" in no_tools.stderr
+
+    demo = run(env_dir / "bin" / "hsstore", "demo", "out", "--json")
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    summary = json.loads(demo.stdout[demo.stdout.index("{") :])
+    assert summary["verify_ok"] is True and summary["inspect_verdict"] == "OK"
+    assert summary["extract"]["samples_written"] == summary["v1_files"] > 0
+    assert (elsewhere / "out" / "dataset").is_dir()
+
+    extract_help = run(env_dir / "bin" / "hsstore", "extract", "--help")
+    assert extract_help.returncode == 0 and "--model" in extract_help.stdout
