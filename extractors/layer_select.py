@@ -97,8 +97,3 @@ def _int(token: str, n: int) -> int:
             f"--layers: {token!r} is not a layer (use integers 0..{n}, 'final', "
             "'final-prenorm', 'eagle3' or CONVENTION:id,id,...)"
         ) from None
-
-
-def same_layers(a: list[LayerSpec], b: list[LayerSpec]) -> bool:
-    """Equal as stored states (ignoring how a producer named them)."""
-    return [(s.depth, s.final_norm) for s in a] == [(s.depth, s.final_norm) for s in b]

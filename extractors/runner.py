@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from extractors.batching import parse_shard
-from extractors.layer_select import parse_layers, same_layers
+from extractors.layer_select import parse_layers
 from extractors.progress import Progress
 from extractors.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
@@ -208,23 +208,13 @@ def _ensure_dataset(
         except ConflictError as exc:
             raise BadInputError(f"{exc.message}; use another --out", path=opts.out) from None
         return
-    man = ds.manifest
-    problems = []
-    if not same_layers(list(man.layers), layers):
-        have = ", ".join(s.label for s in man.layers)
-        want = ", ".join(s.label for s in layers)
-        problems.append(f"layers [{have}] (asked for [{want}])")
-    if man.hidden_size != h:
-        problems.append(f"hidden_size {man.hidden_size} (model has {h})")
-    if man.dtype != dtype:
-        problems.append(f"dtype {man.dtype} (this run stores {dtype})")
-    if man.model.num_hidden_layers not in (None, int(config.num_hidden_layers)):
-        problems.append(f"a model with {man.model.num_hidden_layers} layers")
-    if problems:
-        raise BadInputError(
-            "existing dataset does not match this run: it has " + "; ".join(problems),
-            path=opts.out,
-        )
+    ds.manifest.check_compatible(
+        layers,
+        hidden_size=h,
+        dtype=dtype,
+        num_hidden_layers=int(config.num_hidden_layers),
+        path=opts.out,
+    )
 
 
 def _device(name: str) -> str:

@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hsstore.errors import BadInputError, HsstoreError
 from hsstore.format.conventions import SPECULATORS, ConventionError, from_canonical
 from hsstore.io import HSSTORE, detect_format, open_source
-from hsstore.io.base import SourceItem, SourceReader, dtype_name, file_index
+from hsstore.io.base import SourceItem, SourceReader, file_index
 from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
 from hsstore.io.speculators_v1 import (
     CONFIG_FILE,
@@ -114,22 +112,10 @@ def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, 
 
 def _check_compatible(ds: Any, reader: SourceReader, dst: Path) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
-    problems = []
-    if list(ds.layers) != list(reader.layers):
-        problems.append(
-            f"layers {[s.label for s in ds.layers]} vs source {[s.label for s in reader.layers]}"
-        )
-    h = _manifest_value(ds, "hidden_size")
-    if h is not None and int(h) != reader.hidden_size:
-        problems.append(f"hidden_size {h} vs source {reader.hidden_size}")
-    d = _manifest_value(ds, "dtype")
-    d_name = dtype_name(d) if isinstance(d, torch.dtype) else str(d).replace("torch.", "")
-    if d is not None and d_name != dtype_name(reader.dtype):
-        problems.append(f"dtype {d} vs source {dtype_name(reader.dtype)}")
-    if problems:
-        raise BadInputError(
-            "destination dataset does not match the source: " + "; ".join(problems), path=str(dst)
-        )
+    # The source's layer count may be inferred from its ids, so it is not compared.
+    ds.manifest.check_compatible(
+        reader.layers, hidden_size=reader.hidden_size, dtype=reader.dtype, path=str(dst)
+    )
 
 
 @single_torch_thread

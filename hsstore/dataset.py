@@ -23,6 +23,7 @@ from hsstore.errors import (
     BadInputError,
     ConflictError,
     IntegrityError,
+    NotADatasetError,
 )
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.layers import LayerSpec
@@ -137,25 +138,13 @@ def create(
 
 def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
     ds = Dataset(path)
-    have = ds.manifest
-
-    def semantics(m: Manifest) -> list[tuple[int, bool]]:
-        # Canonical meaning only: the same state named in another convention is the same state.
-        return [(layer.depth, layer.final_norm) for layer in m.layers]
-
-    if semantics(have) != semantics(wanted):
-        raise ConflictError(
-            f"existing dataset stores layers {semantics(have)} (depth, final_norm), asked for "
-            f"{semantics(wanted)}",
-            path=str(path),
-        )
-    for what in ("hidden_size", "dtype"):
-        if getattr(have, what) != getattr(wanted, what):
-            raise ConflictError(
-                f"existing dataset has {what}={getattr(have, what)!r}, asked for "
-                f"{getattr(wanted, what)!r}",
-                path=str(path),
-            )
+    ds.manifest.check_compatible(
+        wanted.layers,
+        hidden_size=wanted.hidden_size,
+        dtype=wanted.dtype,
+        num_hidden_layers=wanted.model.num_hidden_layers,
+        path=str(path),
+    )
     return ds
 
 
@@ -184,7 +173,8 @@ class Dataset:
     ):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(2, "no such dataset directory", str(path))
+            what = "not a directory" if self.path.exists() else "no such dataset directory"
+            raise NotADatasetError(what, path=str(path))
         self.storage = LocalStorage(self.path)
         self.verify_reads = verify_reads
         self._load(

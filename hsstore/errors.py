@@ -1,7 +1,11 @@
 """One error hierarchy for the whole library.
 
-Every error carries the path (and, where one is involved, the sample id) it is about, so the
-CLI can print one precise line and pick an exit code without parsing messages.
+Every error hsstore raises about data, files or datasets derives from :class:`HsstoreError` and
+carries the path (and, where one is involved, the sample id) it is about, so the CLI can print
+one precise line and pick an exit code without parsing messages. Where a builtin says the same
+thing, the error is also that builtin (a missing dataset is a ``FileNotFoundError``, a layer id
+no convention can express a ``ValueError``), so callers may catch either. Wrong arguments to a
+function (a negative batch size, an unknown option) stay plain ``ValueError``/``TypeError``.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ class HsstoreError(Exception):
         return f"{': '.join(where)}: {self.message}" if where else self.message
 
 
-class NotADatasetError(HsstoreError):
-    """The path does not hold an hsstore dataset."""
+class NotADatasetError(HsstoreError, FileNotFoundError):
+    """The path does not exist, or holds no hsstore dataset (no committed manifest)."""
 
 
 class FormatError(HsstoreError):
@@ -46,7 +50,13 @@ class IntegrityError(HsstoreError):
 
 
 class ConflictError(HsstoreError):
-    """A commit lost a race it cannot resolve (for example, the same sample id committed twice)."""
+    """What is asked conflicts with what is already there: a dataset exists where one is to be
+    made, or a commit lost a race it cannot resolve (the same sample id committed twice)."""
+
+
+class IncompatibleDatasetError(ConflictError):
+    """An existing dataset stores other states (layers, hidden size, dtype, model depth) than
+    the samples that were to go into it."""
 
 
 class DuplicateSampleError(ConflictError):
@@ -55,3 +65,12 @@ class DuplicateSampleError(ConflictError):
 
 class BadInputError(HsstoreError):
     """Input handed to hsstore (a tensor, a foreign file) is malformed."""
+
+
+class ConventionError(BadInputError, ValueError):
+    """A list of layer ids cannot be expressed in (or translated from) a layer convention."""
+
+
+class LoaderStateError(HsstoreError):
+    """A saved loader state does not fit this loader: it was saved for another dataset version,
+    world size or plan settings, or by a newer hsstore."""

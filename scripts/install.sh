@@ -7,10 +7,11 @@ PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-# torch first, pinned to its CPU build, so nothing later pulls a multi-GB CUDA build. On a GPU
-# machine pick the build you need, e.g. TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://pypi.org/simple
+# torch first, pinned to its CPU build, so nothing later pulls a multi-GB CUDA build (its small
+# dependencies come from PyPI with the next step). On a GPU machine pick the build you need,
+# e.g. TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://pypi.org/simple
 if [ "$(uname -s)" = Linux ]; then TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}; fi
-python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}" \
+python -m pip install --quiet --no-deps "${TORCH_SPEC:-torch==2.13.0}" \
     --extra-index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 python -m pip install --quiet -e '.[dev]'
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hsstore.errors import ConventionError  # with the other errors; importable from here too
 from hsstore.format.layers import LayerSpec
 
 HF = "hf"
@@ -46,10 +47,6 @@ _ALIASES: dict[str, str] = {
     "sglang-llama-family": SGLANG_LLAMA,
     "sglang-deepseek-v2": SGLANG_DEEPSEEK,
 }
-
-
-class ConventionError(ValueError):
-    """An id list cannot be expressed in (or translated from) a convention."""
 
 
 def normalize_convention(name: str) -> str:

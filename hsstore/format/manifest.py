@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -18,7 +19,12 @@ import torch
 
 from hsstore import schemas
 from hsstore.codecs import CodecConfig
-from hsstore.errors import FormatError, SchemaError, UnsupportedVersionError
+from hsstore.errors import (
+    FormatError,
+    IncompatibleDatasetError,
+    SchemaError,
+    UnsupportedVersionError,
+)
 from hsstore.format.layers import LayerSpec
 
 FORMAT_NAME = "hsstore"
@@ -204,6 +210,46 @@ class Manifest:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def check_compatible(
+        self,
+        layers: Sequence[LayerSpec],
+        *,
+        hidden_size: int,
+        dtype: torch.dtype | str,
+        num_hidden_layers: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        """The one rule for "can these samples go into this dataset", used by every writer path
+        (``create(exist_ok=True)``, convert into an existing dataset, extract reruns).
+
+        Layers compare by canonical meaning only, (depth, final_norm): the same state named in
+        another convention, or with no source id recorded at all, is the same state. The model
+        depth is compared only when both sides know it. Raises IncompatibleDatasetError listing
+        every difference.
+        """
+
+        def meaning(specs: Sequence[LayerSpec]) -> list[tuple[int, bool]]:
+            return [(s.depth, s.final_norm) for s in specs]
+
+        problems = []
+        if meaning(self.layers) != meaning(layers):
+            have = ", ".join(s.label for s in self.layers)
+            want = ", ".join(s.label for s in layers)
+            problems.append(f"layers [{have}] (asked for [{want}])")
+        if self.hidden_size != hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} (asked for {hidden_size})")
+        if self.dtype != dtype_name(dtype):
+            problems.append(f"dtype {self.dtype} (asked for {dtype_name(dtype)})")
+        recorded = self.model.num_hidden_layers
+        if None not in (recorded, num_hidden_layers) and recorded != num_hidden_layers:
+            problems.append(
+                f"states of a model with {recorded} decoder layers (asked for {num_hidden_layers})"
+            )
+        if problems:
+            raise IncompatibleDatasetError(
+                "existing dataset does not match: it has " + "; ".join(problems), path=path
+            )
 
     def with_segments(
         self, segments: tuple[SegmentInfo, ...], provenance: dict[str, Any], version: int

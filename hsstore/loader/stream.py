@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
-from hsstore.errors import ConflictError
+from hsstore.errors import LoaderStateError
 from hsstore.loader.batching import BatchPlan
 from hsstore.loader.collate import as_eagle3
 from hsstore.loader.fetch import BatchFetcher, BatchShape
@@ -123,12 +123,12 @@ class _Planned:
 
     def _check_state(self, state: dict[str, Any]) -> None:
         if int(state.get("version", STATE_VERSION)) > STATE_VERSION:
-            raise ConflictError(
+            raise LoaderStateError(
                 f"loader state version {state['version']} is newer than this hsstore"
             )
         fp = state.get("fingerprint")
         if fp is not None and int(fp) != self.fingerprint:
-            raise ConflictError(
+            raise LoaderStateError(
                 "loader state was saved for another dataset version, world size or plan "
                 "settings; it cannot resume this one",
                 path=self.source.path,
