@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import hsstore
 from hsstore.cli import main
 from hsstore.convert import convert, convert_to_hsstore, export_to_v1
-from hsstore.errors import BadInputError
+from hsstore.errors import BadInputError, IncompatibleDatasetError
 from tools.convert_fixtures import write_arrow_dir, write_specforge_dir, write_v1_dir
 
 
@@ -151,7 +151,9 @@ def test_rerun_adds_nothing_and_mismatched_destinations_are_refused(tmp_path):
     assert (again.added, again.already_present, again.total_samples) == (0, 2, 2)
 
     write_v1_dir(tmp_path / "other", [3], layer_ids=[1, 2])
-    with pytest.raises(BadInputError, match="does not match the source: layers"):
+    with pytest.raises(
+        IncompatibleDatasetError, match=r"does not match: it has layers \[after 2, after 4\]"
+    ):
         convert(tmp_path / "other", tmp_path / "ds", progress=False)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("x")
@@ -161,7 +163,6 @@ def test_rerun_adds_nothing_and_mismatched_destinations_are_refused(tmp_path):
 
 
 def test_inspect_reports_the_layer_semantics_of_the_v1_config(tmp_path):
-    pytest.importorskip("hsstore.cli.inspect")
     write_v1_dir(tmp_path / "v1", [5, 6], layer_ids=[1, 4, 6], hidden_size=8)
     convert(tmp_path / "v1", tmp_path / "ds", progress=False)
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "ds"), "--json"])

@@ -147,7 +147,6 @@ def test_loader_yields_every_sample(reference):
 
 
 def test_inspect_passes(reference):
-    pytest.importorskip("hsstore.cli.inspect")
     out, _ = reference
     code, stdout, stderr = finish(cli("inspect", str(out)))
     assert code == 0, stderr

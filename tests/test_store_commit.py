@@ -214,7 +214,7 @@ def test_reopen_with_layers_named_in_another_convention(tmp_path):
     renamed = [LayerSpec(1, source_convention="speculators", source_id=0), LayerSpec(4)]
     ds = hsstore.create(path, layers=renamed, hidden_size=32, dtype="bfloat16", exist_ok=True)
     assert [layer.depth for layer in ds.layers] == [1, 4]
-    with pytest.raises(hsstore.ConflictError, match="depth, final_norm"):
+    with pytest.raises(hsstore.IncompatibleDatasetError, match=r"layers \[after 1, after 4\]"):
         hsstore.create(
             path,
             layers=[LayerSpec(2), LayerSpec(4)],
