@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,13 +34,12 @@ from hsstore.format.manifest import (
     ModelInfo,
     dtype_name,
     now_iso,
+    storage_view,
 )
 from hsstore.format.store import LocalStorage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
-
-if TYPE_CHECKING:
-    from hsstore.writer import Writer
+from hsstore.writer import Writer
 
 
 @dataclass(frozen=True)
@@ -55,13 +54,6 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-def storage_view(t: torch.Tensor) -> np.ndarray:
-    """The storage-dtype numpy view of a CPU tensor (bf16 -> its uint16 bit patterns)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view("<u2")
-    return t.numpy()
 
 
 def create(
@@ -397,8 +389,6 @@ class Dataset:
     # -- writing -------------------------------------------------------------------------------
     def writer(self, *, segment_bytes: int = 2 << 30, encode_threads: int | None = None) -> Writer:
         """A writer that appends segments of its own; use as a context manager."""
-        from hsstore.writer import Writer
-
         return Writer(self, segment_bytes=segment_bytes, encode_threads=encode_threads)
 
     def close(self) -> None:

@@ -7,16 +7,18 @@ import os
 import uuid
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from hsstore.dataset import Dataset, storage_view
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
 from hsstore.format import commit, paths
-from hsstore.format.manifest import Manifest, SegmentInfo
+from hsstore.format.manifest import Manifest, SegmentInfo, storage_view
 from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher
+
+if TYPE_CHECKING:  # the Dataset makes its writers (ds.writer()); a writer only uses its view
+    from hsstore.dataset import Dataset
 
 
 class Writer:

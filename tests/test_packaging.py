@@ -8,6 +8,7 @@ site-packages through a ``.pth`` file instead of downloading them, so the test t
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -118,3 +119,66 @@ def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
 
     extract_help = run(env_dir / "bin" / "hsstore", "extract", "--help")
     assert extract_help.returncode == 0 and "--model" in extract_help.stdout
+
+
+def _runtime_imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The library modules ``module`` imports, anywhere in it (functions included) except
+    under ``if TYPE_CHECKING:``; ``from pkg import sub`` counts as importing ``pkg.sub``."""
+    found: set[str] = set()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    class Imports(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(filter(None, (resolve(a.name) for a in node.names)))
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            base = node.module or ""
+            if node.level:
+                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in modules else resolve(base) or "")
+
+    Imports().visit(ast.parse(path.read_text()))
+    return {m for m in found if m and m != module and m != "hsstore"}
+
+
+def test_no_import_cycles_in_the_library():
+    # Each module may be read (and changed) without the modules that use it: a cycle (such as a
+    # dataset that imports its writer which imports the dataset) makes two modules one.
+    files = {}
+    for path in (ROOT / "hsstore").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {m: _runtime_imports(p, m, set(files)) for m, p in files.items()}
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
+    assert not cycles, "import cycle: " + " -> ".join(cycles[0])
+    assert "hsstore.writer" in graph["hsstore.dataset"]  # the check sees real imports

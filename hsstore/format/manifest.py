@@ -54,6 +54,13 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+def storage_view(t: torch.Tensor) -> np.ndarray:
+    """The storage-dtype numpy view of a CPU tensor (bf16 -> its uint16 bit patterns)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view("<u2")
+    return t.numpy()
+
+
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
