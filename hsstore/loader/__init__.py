@@ -8,11 +8,17 @@ building blocks; ``order``, ``batching`` and ``partition`` hold the pure plannin
 from __future__ import annotations
 
 from hsstore.loader.batching import BatchPlan, plan_packed, plan_padded
-from hsstore.loader.collate import RawBatch, as_eagle3, pack_collate, pad_collate
+from hsstore.loader.collate import pack_collate, pad_collate
 from hsstore.loader.order import epoch_order
 from hsstore.loader.partition import rank_batches, worker_steps
 from hsstore.loader.plan import PlanConfig
-from hsstore.loader.stream import HiddenStateDataset, HiddenStateStream, PlannedBatchSampler
+from hsstore.loader.stream import (
+    HiddenStateDataset,
+    HiddenStateStream,
+    PlannedBatchSampler,
+    PlannedEpochs,
+    RankPlan,
+)
 from hsstore.loader.train_loader import Loader
 
 __all__ = [
@@ -22,8 +28,8 @@ __all__ = [
     "Loader",
     "PlanConfig",
     "PlannedBatchSampler",
-    "RawBatch",
-    "as_eagle3",
+    "PlannedEpochs",
+    "RankPlan",
     "epoch_order",
     "pack_collate",
     "pad_collate",

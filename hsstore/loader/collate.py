@@ -1,9 +1,9 @@
 """Batch tensors: one raw layout, decoded in place, viewed as speculators' EAGLE-3 keys.
 
-A batch is a handful of base tensors (``RawBatch``): hidden states ``[B, T, L', H]`` with the
-aux layers first and the verifier layer last, and the per-token columns ``[B, T]``. The
-trainer's keys are views of these (``as_eagle3``), so a batch crosses PCIe as one hidden-state
-copy and is never re-concatenated on the host.
+Inside the loader a batch is a handful of base tensors (``RawBatch``, internal): hidden states
+``[B, T, L', H]`` with the aux layers first and the verifier layer last, and the per-token
+columns ``[B, T]``. The trainer's keys are views of these (``as_eagle3``, applied once, as a batch is handed out), so
+a batch crosses PCIe as one hidden-state copy and is never re-concatenated on the host.
 
 Keys follow speculators' trainer (``speculators/train/data.py``): ``hidden_states``
 ``[B, T, k*H]``, ``verifier_last_hidden_states`` ``[B, T, H]``, ``input_ids``, ``loss_mask``,

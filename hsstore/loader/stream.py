@@ -13,6 +13,7 @@ it describes the whole rank.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 from hsstore.errors import LoaderStateError
 from hsstore.loader.batching import BatchPlan
-from hsstore.loader.collate import as_eagle3
+from hsstore.loader.collate import RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher, BatchShape
 from hsstore.loader.partition import worker_steps
 from hsstore.loader.plan import PlanConfig, fingerprint, rank_plan
@@ -38,11 +39,21 @@ def default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class _Planned:
-    """What the stream, the batch sampler and the Loader share: source, plan and position."""
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything that fixes a rank's batches: the data, the plan settings, which layers a
+    batch carries, how batches become tensors, and the rank among ``world_size``."""
 
-    def __init__(
-        self,
+    source: DatasetSource
+    config: PlanConfig
+    choice: LayerChoice
+    shape: BatchShape
+    rank: int
+    world_size: int
+
+    @classmethod
+    def from_options(
+        cls,
         dataset: Any,
         *,
         max_tokens: int = 8192,
@@ -61,13 +72,14 @@ class _Planned:
         world_size: int | None = None,
         pad_token_id: int = 0,
         verify_reads: bool | None = None,
-    ):
-        self.source = (
+    ) -> RankPlan:
+        """The options of docs/LOADER.md (``dataset``: a path, a Dataset or a DatasetSource)."""
+        source = (
             dataset
             if isinstance(dataset, DatasetSource)
             else DatasetSource(dataset, verify_reads=verify_reads)
         )
-        self.config = PlanConfig(
+        config = PlanConfig(
             max_tokens=max_tokens,
             batch_size=batch_size,
             pad_to_multiple_of=pad_to_multiple_of,
@@ -79,8 +91,7 @@ class _Planned:
             over_long=over_long,
             tail=tail,
         )
-        self.choice = LayerChoice.resolve(self.source.layers, aux_layers, verifier)
-        self.shape = BatchShape(
+        shape = BatchShape(
             packed=batch_size is None,
             max_tokens=max_tokens,
             batch_size=batch_size,
@@ -91,11 +102,36 @@ class _Planned:
             d_rank, d_world = default_rank_world()
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
-        self.rank, self.world_size = rank, world_size
+        choice = LayerChoice.resolve(source.layers, aux_layers, verifier)
+        return cls(source, config, choice, shape, rank, world_size)
+
+
+class PlannedEpochs:
+    """What the stream, the batch sampler and the Loader share: a ``RankPlan`` and the
+    position ``(epoch, step)`` in its epochs.
+
+    Built from the options of docs/LOADER.md, or from a ``RankPlan`` (another object's, when
+    one of them hands its plan on, as the Loader does to its worker processes' stream).
+    """
+
+    def __init__(self, dataset: Any, **options: Any):
+        spec = (
+            dataset if isinstance(dataset, RankPlan) else RankPlan.from_options(dataset, **options)
+        )
+        if options and isinstance(dataset, RankPlan):
+            raise TypeError(f"options {sorted(options)} given with a RankPlan that fixes them")
+        self.rank_plan = spec
+        self.source, self.config, self.choice, self.shape = (
+            spec.source,
+            spec.config,
+            spec.choice,
+            spec.shape,
+        )
+        self.rank, self.world_size = spec.rank, spec.world_size
         self.epoch = 0
         self.step = 0
         self._plan_cache: tuple[int, BatchPlan] | None = None
-        self.fingerprint = fingerprint(self.config, self.source.data_fingerprint, world_size)
+        self.fingerprint = fingerprint(self.config, self.source.data_fingerprint, self.world_size)
 
     def plan(self, epoch: int | None = None) -> BatchPlan:
         """This rank's batches for ``epoch`` (default: the current one)."""
@@ -144,7 +180,7 @@ class _Planned:
         }
 
 
-class HiddenStateStream(_Planned, IterableDataset):
+class HiddenStateStream(PlannedEpochs, IterableDataset):
     """Collated batches of this rank's epoch plan (CPU tensors, fresh per batch by default).
 
     Options are the ``Loader``'s (see docs/LOADER.md) minus ``device``; ``num_threads`` decode
@@ -168,6 +204,15 @@ class HiddenStateStream(_Planned, IterableDataset):
         self._worker: tuple[int, int] | None = None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        raws = self._raw_batches()
+        try:
+            for raw in raws:
+                yield as_eagle3(raw, self.choice)
+        finally:
+            raws.close()  # now, not at garbage collection: it commits the delivered position
+
+    def _raw_batches(self) -> Iterator[RawBatch]:
+        """This process's batches of the plan, as decoded (the Loader's workers send these)."""
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         plan = self.plan()
@@ -186,7 +231,7 @@ class HiddenStateStream(_Planned, IterableDataset):
         try:
             for raw in fetcher:
                 self._yielded += 1
-                yield as_eagle3(raw, self.choice)
+                yield raw
         finally:
             fetcher.close()
             if info is None:  # the main process owns the position: commit what was delivered
@@ -212,7 +257,7 @@ class HiddenStateStream(_Planned, IterableDataset):
         self._yielded = 0
 
 
-class PlannedBatchSampler(_Planned, Sampler):
+class PlannedBatchSampler(PlannedEpochs, Sampler):
     """The epoch plan as lists of storage positions, for a map-style ``HiddenStateDataset``.
 
     ``DataLoader(HiddenStateDataset(p), batch_sampler=PlannedBatchSampler(p, ...),

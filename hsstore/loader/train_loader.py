@@ -31,7 +31,7 @@ from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.loader.plan import PlanConfig, rank_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
-from hsstore.loader.stream import HiddenStateStream, _Planned
+from hsstore.loader.stream import HiddenStateStream, PlannedEpochs
 
 
 class _Tag(NamedTuple):
@@ -110,7 +110,7 @@ class _Pipeline:
         self._batches.close()
 
 
-class Loader(_Planned):
+class Loader(PlannedEpochs):
     """Batches of an hsstore dataset for this rank, on ``device`` (or the CPU).
 
     See docs/LOADER.md for the options and the batch keys. ``for batch in loader`` runs the
@@ -288,6 +288,14 @@ class Loader(_Planned):
         return _Pipeline(batches, tags, last_epoch)
 
 
+class _RawBatchStream(HiddenStateStream):
+    """The Loader's plan for its DataLoader workers: each sends its batches as decoded
+    (``RawBatch``), and the Loader makes the trainer's keys once, in the main process."""
+
+    def __iter__(self) -> Iterator[RawBatch]:  # type: ignore[override]
+        return self._raw_batches()
+
+
 class _WorkerBatches:
     """Host batches decoded by DataLoader worker processes, copied into a reusable ring.
 
@@ -297,15 +305,16 @@ class _WorkerBatches:
     """
 
     def __init__(self, loader: Loader, pin: bool):
-        stream = HiddenStateStream(
-            loader.source,
+        stream = _RawBatchStream(
+            loader.rank_plan,
             num_threads=max(1, loader.num_threads // max(1, loader.workers)),
             prefetch=loader.prefetch,
             reuse_buffers=False,
-            **_options(loader),
         )
-        stream.load_state_dict(loader.state_dict())
-        self._dl = iter(
+        stream.epoch, stream.step = loader.epoch, loader.step
+        # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
+        # its worker processes down, the way DataLoader documents for an iterator going away.
+        self._dl: Iterator[RawBatch] | None = iter(
             DataLoader(
                 stream,
                 batch_size=None,
@@ -330,39 +339,19 @@ class _WorkerBatches:
         return self
 
     def __next__(self) -> RawBatch:
+        if self._dl is None:
+            raise StopIteration
         batch = next(self._dl)
-        hidden = batch["per_layer_hidden_states"]
-        b, t = batch["input_ids"].shape
+        b, t = batch.input_ids.shape
         buf = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
-        raw = buf.view(b, t, batch["lengths"], batch["sample_index"])
-        raw.hidden.copy_(hidden)
-        for key in ("input_ids", "loss_mask", "position_ids", "document_ids"):
-            getattr(raw, key).copy_(batch[key])
+        raw = buf.view(b, t, batch.lengths, batch.sample_index)
+        raw.hidden.copy_(batch.hidden)
+        raw.input_ids.copy_(batch.input_ids)
+        raw.loss_mask.copy_(batch.loss_mask)
+        raw.position_ids.copy_(batch.position_ids)
+        raw.document_ids.copy_(batch.document_ids)
         return raw
 
     def close(self) -> None:
-        shutdown = getattr(self._dl, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-
-
-def _options(loader: Loader) -> dict[str, Any]:
-    cfg = loader.config
-    return {
-        "max_tokens": cfg.max_tokens,
-        "batch_size": cfg.batch_size,
-        "pad_to_multiple_of": cfg.pad_to_multiple_of,
-        "open_bins": cfg.open_bins,
-        "shuffle": cfg.shuffle,
-        "seed": cfg.seed,
-        "block_size": cfg.block_size,
-        "window": cfg.window,
-        "over_long": cfg.over_long,
-        "tail": cfg.tail,
-        "aux_layers": list(loader.choice.aux),
-        "verifier": loader.choice.verifier is not None,
-        "rank": loader.rank,
-        "world_size": loader.world_size,
-        "pad_token_id": loader.shape.pad_token_id,
-    }
+        self._dl = None
