@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -182,3 +183,20 @@ def test_no_import_cycles_in_the_library():
     cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
     assert not cycles, "import cycle: " + " -> ".join(cycles[0])
     assert "hsstore.writer" in graph["hsstore.dataset"]  # the check sees real imports
+
+
+def test_readme_ci_and_makefile_agree_on_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Set up.*?```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["make demo", "make test"]
+    ci = [
+        line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and line[0] != "#"
+    ]
+    assert ci[-1] == "make test" and "set -euo pipefail" in ci
+    makefile = (ROOT / "Makefile").read_text()
+    test_recipe = makefile[makefile.index("\ntest:") :].split("\n\n")[0]
+    assert "ruff check ." in test_recipe and "-m pytest" in test_recipe
+    recipe = [line[1:] for line in test_recipe.splitlines() if line.startswith("\t")]
+    # Every failure fails the target: no make "-" prefix, no "|| true" (pytest's exit 5 too).
+    assert recipe and not any(line.startswith("-") or "|| true" in line for line in recipe)
