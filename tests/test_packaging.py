@@ -25,7 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED_SCHEMAS = ROOT / "schemas"
 PACKAGE_SCHEMAS = ROOT / "hsstore" / "schemas"
 _NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "bench_out"
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    "bench_out",
+    "demo_out",
 )
 
 

@@ -1,1 +1,2 @@
-"""Developer tools: the tiny test model and scripts meant to be run by hand (GPU checks)."""
+"""Developer tools run from the repository, never installed: benchmarks, test fixtures and
+GPU check scripts. (The tiny demo model lives in the library, `hsstore.demo_model`.)"""
