@@ -115,18 +115,15 @@ class PlannedEpochs:
     """
 
     def __init__(self, dataset: Any, **options: Any):
-        spec = (
-            dataset if isinstance(dataset, RankPlan) else RankPlan.from_options(dataset, **options)
-        )
-        if options and isinstance(dataset, RankPlan):
-            raise TypeError(f"options {sorted(options)} given with a RankPlan that fixes them")
+        if isinstance(dataset, RankPlan):
+            if options:
+                raise TypeError(f"options {sorted(options)} given with a RankPlan that fixes them")
+            spec = dataset
+        else:
+            spec = RankPlan.from_options(dataset, **options)
         self.rank_plan = spec
-        self.source, self.config, self.choice, self.shape = (
-            spec.source,
-            spec.config,
-            spec.choice,
-            spec.shape,
-        )
+        self.source, self.config = spec.source, spec.config
+        self.choice, self.shape = spec.choice, spec.shape
         self.rank, self.world_size = spec.rank, spec.world_size
         self.epoch = 0
         self.step = 0
