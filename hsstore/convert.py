@@ -21,8 +21,8 @@ import torch
 
 from hsstore.errors import BadInputError, HsstoreError
 from hsstore.format.conventions import SPECULATORS, ConventionError, from_canonical
-from hsstore.io import HSSTORE, detect_format, open_source
-from hsstore.io.base import SourceItem, SourceReader, dtype_name, file_index
+from hsstore.io import HSSTORE, detect_format, open_foreign
+from hsstore.io.base import ForeignReader, ForeignSample, dtype_name, file_index
 from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
 from hsstore.io.speculators_v1 import (
     CONFIG_FILE,
@@ -81,7 +81,7 @@ def _manifest_value(ds: Any, name: str) -> Any:
     return getattr(ds.manifest, name, None)
 
 
-def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, codec: str | None):
+def _open_or_create(reader: ForeignReader, dst: Path, *, model_name: str | None, codec: str | None):
     import hsstore
 
     if dst.exists() and any(dst.iterdir()):
@@ -112,7 +112,7 @@ def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, 
     )
 
 
-def _check_compatible(ds: Any, reader: SourceReader, dst: Path) -> None:
+def _check_compatible(ds: Any, reader: ForeignReader, dst: Path) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
     problems = []
     if list(ds.layers) != list(reader.layers):
@@ -162,7 +162,7 @@ def convert_to_hsstore(
         raise ValueError("commit_every and commit_bytes must be >= 1")
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    reader = open_source(src, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
+    reader = open_foreign(src, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
     ds = _open_or_create(reader, dst, model_name=model_name, codec=codec)
     present = set(ds.sample_ids)
     ids = reader.sample_ids()
@@ -192,7 +192,7 @@ def convert_to_hsstore(
                         writing = False
                     bar.update(0)
                     continue
-                item: SourceItem = got
+                item: ForeignSample = got
                 result.bytes_read += item.nbytes
                 if writing:
                     w.add(

@@ -1,6 +1,6 @@
 """What every foreign-format reader shares: the item it yields and the checks it applies.
 
-A reader turns one foreign file into a :class:`SourceItem` in hsstore's shape (hidden as
+A reader turns one foreign file into a :class:`ForeignSample` in hsstore's shape (hidden as
 ``[T, L, H]``) or raises :class:`BadInputError` naming the file and the problem. Keeping the
 validation here means every format rejects the same defects with the same words.
 """
@@ -36,7 +36,7 @@ _BITS = {
 
 
 @dataclass
-class SourceItem:
+class ForeignSample:
     """One sample of a foreign dataset, already in hsstore's shape."""
 
     sample_id: str
@@ -50,7 +50,7 @@ class SourceItem:
         return self.hidden.numel() * self.hidden.element_size()
 
 
-class SourceReader(ABC):
+class ForeignReader(ABC):
     """A foreign dataset opened read-only: metadata up front, samples on demand.
 
     Attributes: ``format`` (its name), ``path`` (the directory), ``layers`` (canonical, with the
@@ -80,7 +80,7 @@ class SourceReader(ABC):
         ]
 
     @abstractmethod
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         """Load and validate sample i; raise BadInputError(path=file) if it is malformed."""
 
     def provenance(self) -> dict[str, Any]:

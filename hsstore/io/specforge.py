@@ -23,8 +23,8 @@ import torch
 from hsstore.errors import BadInputError
 from hsstore.format.conventions import SPECFORGE, ConventionError, to_canonical
 from hsstore.io.base import (
-    SourceItem,
-    SourceReader,
+    ForeignReader,
+    ForeignSample,
     check_finite,
     check_tokens,
     file_index,
@@ -52,7 +52,7 @@ def list_data_files(root: Path) -> list[Path]:
     return sorted(set(files), key=lambda p: natural_key(strip_suffix(p.name, SUFFIXES)))
 
 
-class SpecForgeReader(SourceReader):
+class SpecForgeReader(ForeignReader):
     """Reads a SpecForge offline directory; see the module docstring."""
 
     format = FORMAT
@@ -120,7 +120,7 @@ class SpecForgeReader(SourceReader):
     def names(self) -> list[str]:
         return [p.relative_to(self.path).as_posix() for p in self._files]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._files[i]
         where = str(p)
         obj = require_keys(load_torch_file(p), KEYS, where)
@@ -135,7 +135,7 @@ class SpecForgeReader(SourceReader):
         dst[:, :k, :] = int_view(aux).reshape(t, k, h)
         dst[:, k, :] = int_view(final)
         check_finite(hidden, where)
-        return SourceItem(
+        return ForeignSample(
             self._stems[i], p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden
         )
 

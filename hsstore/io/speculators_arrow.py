@@ -30,8 +30,8 @@ from hsstore.errors import BadInputError
 from hsstore.format.conventions import VLLM, ConventionError, to_canonical
 from hsstore.io.base import (
     FLOAT_DTYPES,
-    SourceItem,
-    SourceReader,
+    ForeignReader,
+    ForeignSample,
     check_hidden,
     check_tokens,
     require_dir,
@@ -74,7 +74,7 @@ def read_arrow_table(files: list[Path]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-class SpeculatorsArrowReader(SourceReader):
+class SpeculatorsArrowReader(ForeignReader):
     """Reads a speculators 0.5+ dataset directory; see the module docstring."""
 
     format = FORMAT
@@ -150,7 +150,7 @@ class SpeculatorsArrowReader(SourceReader):
     def names(self) -> list[str]:
         return [f"{HS_DIR}/hs_{i}.safetensors" for i in range(len(self))]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._hs_path(i)
         where = str(p)
         row_ids = torch.from_numpy(self._input_ids[i].values.to_numpy(zero_copy_only=False).copy())
@@ -184,7 +184,9 @@ class SpeculatorsArrowReader(SourceReader):
                 f"hidden_states has {hidden.shape[0]} tokens but input_ids has {t}", path=where
             )
         check_hidden(hidden, t, len(self.layers), self.hidden_size, self.dtype, where)
-        return SourceItem(f"hs_{i}", f"{HS_DIR}/hs_{i}.safetensors", input_ids, loss_mask, hidden)
+        return ForeignSample(
+            f"hs_{i}", f"{HS_DIR}/hs_{i}.safetensors", input_ids, loss_mask, hidden
+        )
 
     def provenance(self) -> dict[str, Any]:
         out = super().provenance()

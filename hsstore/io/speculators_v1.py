@@ -28,8 +28,8 @@ import torch
 from hsstore.errors import BadInputError
 from hsstore.format.conventions import SPECULATORS, ConventionError, to_canonical
 from hsstore.io.base import (
-    SourceItem,
-    SourceReader,
+    ForeignReader,
+    ForeignSample,
     check_finite,
     check_layer_tensor,
     check_tokens,
@@ -64,7 +64,7 @@ def read_json(path: Path) -> Any:
         raise BadInputError(f"not valid JSON ({exc})", path=str(path)) from None
 
 
-class SpeculatorsV1Reader(SourceReader):
+class SpeculatorsV1Reader(ForeignReader):
     """Reads a speculators v1 directory; see the module docstring for the layout."""
 
     format = FORMAT
@@ -179,7 +179,7 @@ class SpeculatorsV1Reader(SourceReader):
     def names(self) -> list[str]:
         return [p.relative_to(self.path).as_posix() for p in self._files]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._files[i]
         where = str(p)
         obj = require_keys(load_torch_file(p), KEYS, where)
@@ -205,7 +205,9 @@ class SpeculatorsV1Reader(SourceReader):
         expect = (self.sample_lengths or {}).get(idx, t)
         if expect != t:
             raise BadInputError(f"has {t} tokens but sample_lengths.json says {expect}", path=where)
-        return SourceItem(p.stem, p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden)
+        return ForeignSample(
+            p.stem, p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden
+        )
 
     def provenance(self) -> dict[str, Any]:
         out = super().provenance()
