@@ -20,9 +20,12 @@ SPECULATORS_ARROW = "speculators-arrow"
 
 FOREIGN_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW)
 ALL_FORMATS: tuple[str, ...] = (HSSTORE, *FOREIGN_FORMATS)
+# Formats an hsstore dataset can be exported to (each module's ForeignWriter).
+EXPORT_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECULATORS_ARROW, SPECFORGE)
 
 __all__ = [
     "ALL_FORMATS",
+    "EXPORT_FORMATS",
     "FOREIGN_FORMATS",
     "ForeignSample",
     "ForeignReader",
@@ -75,6 +78,7 @@ def open_foreign(
     fmt: str | None = None,
     layer_ids: Sequence[int] | None = None,
     num_hidden_layers: int | None = None,
+    hidden_states_path: str | os.PathLike | None = None,
 ) -> ForeignReader:
     """Open a foreign dataset read-only, detecting its format unless ``fmt`` is given."""
     fmt = fmt or detect_format(path)
@@ -91,5 +95,16 @@ def open_foreign(
     else:
         raise BadInputError(
             f"unknown format {fmt!r}; known: {', '.join(FOREIGN_FORMATS)}", path=str(path)
+        )
+    if fmt == SPECULATORS_ARROW:
+        return reader(
+            path,
+            layer_ids=layer_ids,
+            num_hidden_layers=num_hidden_layers,
+            hidden_states_path=hidden_states_path,
+        )
+    if hidden_states_path is not None:
+        raise BadInputError(
+            f"--hidden-states-path applies to speculators-arrow only, not {fmt}", path=str(path)
         )
     return reader(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
