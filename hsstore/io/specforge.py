@@ -200,15 +200,46 @@ def specforge_layout(
     return ids, not final.final_norm
 
 
-def write_ckpt(path: Path, input_ids: Any, loss_mask: Any, aux: Any, final: Any) -> None:
-    """One ``data_{k}.ckpt`` as SpecForge's prepare_hidden_states.py saves it."""
-    obj = {
+def specforge_features(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+    norm: FinalNorm | None,
+) -> dict[str, torch.Tensor]:
+    """One sample as SpecForge's offline files hold it, from hsstore's [T, 3 + 1, H] states."""
+    t, _, h = hidden.shape
+    final = hidden[:, NUM_AUX, :]
+    if norm is not None:
+        final = norm(final)
+    return {
         "input_ids": input_ids.to(torch.int64).contiguous().clone(),
         "loss_mask": loss_mask.to(torch.int64).contiguous().clone(),
         "hidden_state": final.contiguous().clone().unsqueeze(0),
-        "aux_hidden_state": aux.contiguous().clone().unsqueeze(0),
+        "aux_hidden_state": hidden[:, :NUM_AUX, :].reshape(t, NUM_AUX * h).clone().unsqueeze(0),
     }
-    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def check_final_norm(
+    layers: Sequence[LayerSpec], num_hidden_layers: int, norm: FinalNorm | None, path: str
+) -> FinalNorm | None:
+    """The norm to apply to the final state (None when it is stored after the norm), or
+    BadInputError when it is needed and missing or belongs to another model."""
+    if layers[-1].final_norm:
+        return None
+    if norm is None:
+        raise BadInputError(
+            "the final state is stored before the final norm, but SpecForge needs it after "
+            "(its target head is the lm_head alone); pass --target MODEL_DIR so the model's "
+            "final RMSNorm can be applied",
+            path=path,
+        )
+    if norm.num_hidden_layers not in (None, num_hidden_layers):
+        raise BadInputError(
+            f"--target has {norm.num_hidden_layers} decoder layers but the dataset's model "
+            f"has {num_hidden_layers}: is this the dataset's target model?",
+            path=norm.source,
+        )
+    return norm
 
 
 class SpecForgeWriter(ForeignWriter):
@@ -228,25 +259,8 @@ class SpecForgeWriter(ForeignWriter):
         norm: FinalNorm | None = None,
     ) -> None:
         self.out = out
-        self.aux_ids, pre_norm = specforge_layout(ds.layers, num_hidden_layers, source)
-        if pre_norm and norm is None:
-            raise BadInputError(
-                "the final state is stored before the final norm, but SpecForge needs it after "
-                "(its target head is the lm_head alone); pass --target MODEL_DIR so the model's "
-                "final RMSNorm can be applied",
-                path=source,
-            )
-        if (
-            pre_norm
-            and norm is not None
-            and norm.num_hidden_layers not in (None, num_hidden_layers)
-        ):
-            raise BadInputError(
-                f"--target has {norm.num_hidden_layers} decoder layers but the dataset's model "
-                f"has {num_hidden_layers}: is this the dataset's target model?",
-                path=norm.source,
-            )
-        self.norm = norm if pre_norm else None
+        self.aux_ids, _ = specforge_layout(ds.layers, num_hidden_layers, source)
+        self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source)
 
     def sample_path(self, k: int) -> Path:
         g = k // GROUP_SIZE * GROUP_SIZE
@@ -262,11 +276,7 @@ class SpecForgeWriter(ForeignWriter):
         return lines
 
     def write(self, k: int, input_ids, loss_mask, hidden) -> None:
-        t, _, h = hidden.shape
-        aux = hidden[:, :NUM_AUX, :].reshape(t, NUM_AUX * h)
-        final = hidden[:, NUM_AUX, :]
-        if self.norm is not None:
-            final = self.norm(final)
         path = self.sample_path(k)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_ckpt(path, input_ids, loss_mask, aux, final)
+        obj = specforge_features(input_ids, loss_mask, hidden, self.norm)
+        atomic_write(path, lambda f: torch.save(obj, f))
