@@ -9,5 +9,8 @@ PY=${PYTHON:-python3}
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e '.[dev]'
+# The peers whose own readers the interop tests use; --no-deps because they pin other torch and
+# transformers versions and pull vLLM/SGLang-era stacks; their data modules' needs are in [dev].
+python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"
 echo "activate with: . .venv/bin/activate"
