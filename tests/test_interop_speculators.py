@@ -204,3 +204,24 @@ def test_adapter_delivers_what_the_converted_files_deliver(tmp_path):
             assert value.dtype == a[key].dtype and bits(a[key]) == bits(value), key
         else:
             assert a[key] == value, key
+
+
+def test_adapter_takes_arrow_datasets_arguments_and_splits_alike(tmp_path):
+    import pickle
+
+    from hsstore.integrations.speculators import HsstoreArrowDataset
+
+    make_dataset(tmp_path / "ds", VLLM_LAYERS, samples())
+    convert(tmp_path / "ds", tmp_path / "out", dst_format="speculators-arrow", progress=False)
+    data_mod = peer("speculators.train.data")
+    for split in ("train", "val"):
+        kwargs = {"train_ratio": 0.5, "split": split, "on_missing": "raise"}
+        theirs = data_mod.ArrowDataset(max_len=64, datapath=str(tmp_path / "out"), **kwargs)
+        ours = HsstoreArrowDataset(max_len=64, datapath=tmp_path / "ds", **kwargs)
+        # DataLoader workers are spawned: the dataset travels pickled.
+        ours = pickle.loads(pickle.dumps(ours))
+        assert len(ours) == len(theirs) == 2 and ours.approx_lengths == theirs.approx_lengths
+        for k in range(len(ours)):
+            a, b = ours[k], theirs[k]
+            assert set(a) == set(b)
+            assert all(bits(a[key]) == bits(b[key]) for key in b), (split, k)
