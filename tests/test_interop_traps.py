@@ -69,3 +69,14 @@ def test_inspect_catches_a_final_state_deeper_than_the_model(tmp_path):
     )
     check = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "model_depth")
     assert check["verdict"] == "OK"
+
+
+def test_export_only_options_are_refused_on_import(tmp_path):
+    write_v1_dir(tmp_path / "v1", [3], layer_ids=[1, 3], hidden_size=16)
+    for extra in (["--fp8"], ["--target", str(tmp_path)]):
+        r = CliRunner().invoke(
+            main, ["convert", str(tmp_path / "v1"), str(tmp_path / "ds"), *extra]
+        )
+        assert r.exit_code == 2 and extra[0] in r.stderr, r.output
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ds").exists()
