@@ -355,9 +355,16 @@ def export_to_v1(src: str | os.PathLike, out: str | os.PathLike, **kwargs: Any) 
 # ------------------------------------------------------------------------------ dispatch
 
 
-_EXPORT_ONLY = ("fp8", "target")
-_IMPORT_ONLY = ("layer_ids", "model_name", "codec", "commit_every", "commit_bytes", "on_error")
-_IMPORT_ONLY += ("on_problem", "hidden_states_path")
+# Options of one direction only, with the CLI flag that sets them (for the refusal message).
+_EXPORT_ONLY = {"fp8": "--fp8", "target": "--target"}
+_IMPORT_ONLY = {
+    "layer_ids": "--layer-ids",
+    "model_name": "--model",
+    "codec": "--codec",
+    "hidden_states_path": "--hidden-states-path",
+}
+# Import settings with defaults the CLI always passes; an export has no use for them.
+_IMPORT_TUNING = ("commit_every", "commit_bytes", "on_error", "on_problem")
 
 
 def convert(
@@ -376,22 +383,19 @@ def convert(
     given = {k for k, v in kwargs.items() if v is not None and v is not False}
     if src_format == HSSTORE:
         dst_format = dst_format or SPECULATORS_V1
-        wrong = sorted(given & {"layer_ids", "model_name", "codec", "hidden_states_path"})
+        wrong = [flag for k, flag in _IMPORT_ONLY.items() if k in given]
         if kwargs.get("on_error") not in (None, "fail"):
-            wrong.append("on_error")
+            wrong.append(f"--on-error {kwargs['on_error']}")
         if wrong:
             raise BadInputError(
-                f"{', '.join('--' + w.replace('_', '-') for w in wrong)} apply only when "
-                f"converting into hsstore, not when exporting to {dst_format} (an export copies "
-                "every sample as stored and stops at the first unreadable one)",
+                f"{', '.join(wrong)}: only for converting into hsstore, not for exporting to "
+                f"{dst_format} (an export writes every sample as stored, in the target format's "
+                "own encoding, and stops at the first unreadable one)",
                 path=str(src),
             )
-        drop = set(_IMPORT_ONLY)
+        drop = {*_IMPORT_ONLY, *_IMPORT_TUNING}
         return export(
-            src,
-            dst,
-            dst_format=dst_format,
-            **{k: v for k, v in kwargs.items() if k not in drop},
+            src, dst, dst_format=dst_format, **{k: v for k, v in kwargs.items() if k not in drop}
         )
     dst_format = dst_format or HSSTORE
     if dst_format != HSSTORE:
@@ -399,10 +403,11 @@ def convert(
             f"{src_format} converts only into hsstore; convert to hsstore first, then export",
             path=str(src),
         )
-    wrong = sorted(given & set(_EXPORT_ONLY))
+    wrong = [flag for k, flag in _EXPORT_ONLY.items() if k in given]
     if wrong:
         raise BadInputError(
-            f"{', '.join('--' + w for w in wrong)} apply only when exporting an hsstore dataset",
+            f"{', '.join(wrong)}: only for exporting an hsstore dataset, not for converting "
+            f"{src_format} into hsstore",
             path=str(src),
         )
     kwargs = {k: v for k, v in kwargs.items() if k not in _EXPORT_ONLY}
