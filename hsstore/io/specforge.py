@@ -174,10 +174,8 @@ GROUP_SIZE = 2000  # scripts/prepare_hidden_states.py groups files in rows_{g}-{
 NUM_AUX = 3  # SpecForge's EAGLE-3 drafter fuses exactly three aux layers (fc is 3H -> H)
 
 
-def specforge_layout(
-    layers: Sequence[LayerSpec], num_hidden_layers: int, path: str
-) -> tuple[list[int], bool]:
-    """(SpecForge aux ids, final stored pre-norm?) or BadInputError saying why it cannot be."""
+def specforge_layout(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
+    """SpecForge aux ids of a dataset's layers, or BadInputError saying why it cannot hold them."""
     n = num_hidden_layers
     *aux, final = layers
     if len(aux) != NUM_AUX or final.depth != n:
@@ -197,7 +195,7 @@ def specforge_layout(
         ids = from_canonical(SPECFORGE, aux, n)
     except ConventionError as exc:
         raise BadInputError(f"cannot export to specforge: {exc}", path=path) from None
-    return ids, not final.final_norm
+    return ids
 
 
 def specforge_features(
@@ -259,7 +257,7 @@ class SpecForgeWriter(ForeignWriter):
         norm: FinalNorm | None = None,
     ) -> None:
         self.out = out
-        self.aux_ids, _ = specforge_layout(ds.layers, num_hidden_layers, source)
+        self.aux_ids = specforge_layout(ds.layers, num_hidden_layers, source)
         self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source)
 
     def sample_path(self, k: int) -> Path:
