@@ -1,4 +1,4 @@
-"""Bring foreign hidden states into hsstore, and take hsstore datasets back out as speculators v1.
+"""Bring foreign hidden states into hsstore, and take hsstore datasets back out to them.
 
 Both directions stream: a pool of threads reads (and validates) a bounded window of samples
 ahead while the calling thread hands them, in source order, to the writer. Memory therefore stays
@@ -17,19 +17,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError, HsstoreError
-from hsstore.format.conventions import SPECULATORS, ConventionError, from_canonical
-from hsstore.io import HSSTORE, detect_format, open_source
-from hsstore.io.base import SourceItem, SourceReader, file_index
-from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
-from hsstore.io.speculators_v1 import (
-    CONFIG_FILE,
-    LENGTHS_FILE,
-    build_data_config,
-    read_json,
-    write_json,
-    write_sample,
+from hsstore.io import (
+    EXPORT_FORMATS,
+    HSSTORE,
+    SPECFORGE,
+    SPECULATORS_ARROW,
+    SPECULATORS_V1,
+    detect_format,
+    open_foreign,
 )
+from hsstore.io.base import ForeignReader, ForeignSample, ForeignWriter, is_temp_debris
+from hsstore.io.final_norm import load_final_norm
+from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
+from hsstore.io.specforge import SpecForgeWriter
+from hsstore.io.speculators_arrow import SpeculatorsArrowWriter
+from hsstore.io.speculators_v1 import LENGTHS_FILE, SpeculatorsV1Writer, read_json
 
 ON_ERROR = ("fail", "skip")
 
@@ -56,6 +60,7 @@ class ConvertResult:
     total_samples: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the user must know to use the output
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,17 +74,14 @@ class ConvertResult:
             "total_samples": self.total_samples,
             "bytes": self.bytes_read,
             "seconds": round(self.seconds, 3),
+            "notes": self.notes,
         }
 
 
 # ------------------------------------------------------------------------------ into hsstore
 
 
-def _manifest_value(ds: Any, name: str) -> Any:
-    return getattr(ds.manifest, name, None)
-
-
-def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, codec: str | None):
+def _open_or_create(reader: ForeignReader, dst: Path, *, model_name: str | None, codec: str | None):
     import hsstore
 
     if dst.exists() and any(dst.iterdir()):
@@ -110,7 +112,7 @@ def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, 
     )
 
 
-def _check_compatible(ds: Any, reader: SourceReader, dst: Path) -> None:
+def _check_compatible(ds: Dataset, reader: ForeignReader, dst: Path) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
     # The source's layer count may be inferred from its ids, so it is not compared.
     ds.manifest.check_compatible(
@@ -134,6 +136,7 @@ def convert_to_hsstore(
     on_error: str = "fail",
     progress: bool = True,
     on_problem: Callable[[str, str], None] | None = None,
+    hidden_states_path: str | os.PathLike | None = None,
 ) -> ConvertResult:
     """Convert a foreign dataset at ``src`` into the hsstore dataset ``dst`` (created or resumed).
 
@@ -148,7 +151,13 @@ def convert_to_hsstore(
         raise ValueError("commit_every and commit_bytes must be >= 1")
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    reader = open_source(src, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
+    reader = open_foreign(
+        src,
+        fmt=fmt,
+        layer_ids=layer_ids,
+        num_hidden_layers=num_hidden_layers,
+        hidden_states_path=hidden_states_path,
+    )
     ds = _open_or_create(reader, dst, model_name=model_name, codec=codec)
     present = set(ds.sample_ids)
     ids = reader.sample_ids()
@@ -178,7 +187,7 @@ def convert_to_hsstore(
                         writing = False
                     bar.update(0)
                     continue
-                item: SourceItem = got
+                item: ForeignSample = got
                 result.bytes_read += item.nbytes
                 if writing:
                     w.add(
@@ -206,15 +215,14 @@ def convert_to_hsstore(
     finally:
         bar.close()
     result.skipped = problems
-    if hasattr(ds, "refresh"):
-        ds.refresh()
+    ds.refresh()
     result.total_samples = len(ds)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _recorded_skips(ds: Any) -> set[tuple[str, str]]:
-    prov = getattr(ds.manifest, "provenance", None) or {}
+def _recorded_skips(ds: Dataset) -> set[tuple[str, str]]:
+    prov = ds.manifest.provenance
     return {
         (d.get("name"), d.get("reason")) for d in prov.get("skipped", []) if isinstance(d, dict)
     }
@@ -224,85 +232,93 @@ def _reason(exc: BaseException) -> str:
     return exc.message if isinstance(exc, HsstoreError) else str(exc)
 
 
-# ------------------------------------------------------------------------------ out to v1
+# ------------------------------------------------------------------------------ out of hsstore
 
 
-def _model_field(model: Any, key: str) -> Any:
-    if model is None:
-        return None
-    if isinstance(model, dict):
-        return model.get(key)
-    return getattr(model, key, None)
-
-
-def v1_layer_ids(layers: Sequence[Any], num_hidden_layers: int, path: str) -> list[int]:
-    """speculators ids for a dataset's layers, or BadInputError saying why v1 cannot hold them."""
-    try:
-        ids = from_canonical(SPECULATORS, layers, num_hidden_layers)
-    except ConventionError as exc:
-        raise BadInputError(f"cannot export to speculators v1: {exc}", path=path) from None
-    if ids != sorted(set(ids)):
+def _writer(
+    fmt: str,
+    ds: Dataset,
+    out: Path,
+    *,
+    source: str,
+    num_hidden_layers: int,
+    fp8: bool,
+    target: str | os.PathLike | None,
+) -> ForeignWriter:
+    if fp8 and fmt != SPECULATORS_ARROW:
+        raise BadInputError(f"--fp8 applies to speculators-arrow only, not {fmt}", path=source)
+    if target is not None and fmt != SPECFORGE:
         raise BadInputError(
-            f"cannot export to speculators v1: its files list layers in ascending order, "
-            f"but this dataset stores ids {ids}",
-            path=path,
+            f"--target is used only to apply the final norm for specforge, not {fmt}", path=source
         )
-    if layers[-1].depth != num_hidden_layers:
-        raise BadInputError(
-            "cannot export to speculators v1: its trainer takes the last layer as the verifier's "
-            f"final state, but this dataset's last layer is {layers[-1].label} of {num_hidden_layers}",
-            path=path,
+    if fmt == SPECULATORS_V1:
+        return SpeculatorsV1Writer(ds, out, source=source, num_hidden_layers=num_hidden_layers)
+    if fmt == SPECULATORS_ARROW:
+        return SpeculatorsArrowWriter(
+            ds, out, source=source, num_hidden_layers=num_hidden_layers, fp8=fp8
         )
-    return ids
+    if fmt == SPECFORGE:
+        norm = None
+        if target is not None and not ds.layers[-1].final_norm:
+            norm = load_final_norm(target, hidden_size=ds.hidden_size)
+        return SpecForgeWriter(
+            ds, out, source=source, num_hidden_layers=num_hidden_layers, norm=norm
+        )
+    raise BadInputError(
+        f"cannot export an hsstore dataset to {fmt!r}; known: {', '.join(EXPORT_FORMATS)}",
+        path=source,
+    )
 
 
 @single_torch_thread
-def export_to_v1(
+def export(
     src: str | os.PathLike,
     out: str | os.PathLike,
     *,
+    dst_format: str = SPECULATORS_V1,
     num_hidden_layers: int | None = None,
+    fp8: bool = False,
+    target: str | os.PathLike | None = None,
     workers: int | None = None,
     progress: bool = True,
 ) -> ConvertResult:
-    """Write the hsstore dataset ``src`` as a speculators v1 directory ``out``.
+    """Write the hsstore dataset ``src`` into the folder ``out`` in a foreign format.
 
-    Sample k in storage order becomes ``data_{k}.pt`` (so numbering is stable for a given
-    dataset), written atomically; an interrupted export resumes by keeping finished files.
-    ``sample_lengths.json`` and ``data_config.json`` are written last.
+    Sample k in storage order becomes file k (so numbering is stable for a given dataset),
+    written atomically; an interrupted export resumes by keeping finished files. The
+    dataset-wide files are written last.
     """
     import hsstore
 
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     ds = hsstore.open(src)
-    manifest = ds.manifest
-    n = num_hidden_layers or _model_field(getattr(manifest, "model", None), "num_hidden_layers")
+    model = ds.manifest.model
+    n = num_hidden_layers or (model.num_hidden_layers if model else None)
     if not n:
         raise BadInputError(
             "the dataset does not record num_hidden_layers; pass --num-hidden-layers", path=str(src)
         )
-    layers = list(ds.layers)
-    ids = v1_layer_ids(layers, int(n), str(src))
     if out.exists() and not out.is_dir():
         raise BadInputError("exists and is not a directory", path=str(out))
+    writer = _writer(
+        dst_format, ds, out, source=str(src), num_hidden_layers=int(n), fp8=fp8, target=target
+    )
     out.mkdir(parents=True, exist_ok=True)
-    foreign = [p.name for p in out.iterdir() if not _is_v1_file(p.name)]
+    foreign = [p.name for p in out.iterdir() if not (writer.is_own(p) or is_temp_debris(p.name))]
     if foreign:
         raise BadInputError(
-            f"output directory holds files that are not speculators v1 output ({foreign[:3]}); "
+            f"output directory holds files that are not {dst_format} output ({foreign[:3]}); "
             "choose an empty or new directory",
             path=str(out),
         )
-    result = ConvertResult(str(src), HSSTORE, str(out), "speculators-v1")
-    index = ds.index
-    lengths = [int(v) for v in index.column("num_tokens").to_pylist()]
-    todo = [k for k in range(len(ds)) if not (out / f"data_{k}.pt").exists()]
+    result = ConvertResult(str(src), HSSTORE, str(out), dst_format)
+    todo = [k for k in range(len(ds)) if not writer.sample_path(k).exists()]
     result.already_present = len(ds) - len(todo)
 
     def export_one(k: int) -> int:
         s = ds[k]
-        write_sample(out / f"data_{k}.pt", s.input_ids, s.loss_mask, s.hidden)
+        writer.write(k, s.input_ids, s.loss_mask, s.hidden)
         return s.hidden.numel() * s.hidden.element_size()
 
     bar = Progress(len(todo), "export", progress)
@@ -315,32 +331,31 @@ def export_to_v1(
             bar.update(got)
     finally:
         bar.close()
-    write_json(out / LENGTHS_FILE, {str(k): t for k, t in enumerate(lengths)})
-    provenance = getattr(manifest, "provenance", None) or {}
-    base = provenance.get("speculators_data_config") if isinstance(provenance, dict) else None
-    cfg = build_data_config(
-        layer_ids=ids,
-        hidden_size=int(ds.hidden_size),
-        dtype=ds.dtype,
-        num_samples=len(ds),
-        model_name=_model_field(getattr(manifest, "model", None), "name"),
-        base=base,
-    )
-    write_json(out / CONFIG_FILE, cfg)
+    writer.finish()
+    result.notes = writer.notes()
     result.total_samples = len(ds)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _is_v1_file(name: str) -> bool:
-    if name in (LENGTHS_FILE, CONFIG_FILE):
-        return True
-    if name.startswith(".data_") and name.endswith(".tmp"):  # debris of an interrupted write
-        return True
-    return name.endswith(".pt") and file_index(name[:-3], "data_") is not None
+def export_to_v1(src: str | os.PathLike, out: str | os.PathLike, **kwargs: Any) -> ConvertResult:
+    """``export`` to speculators v1 (the layout speculators 0.4-0.7 read)."""
+    return export(src, out, dst_format=SPECULATORS_V1, **kwargs)
 
 
 # ------------------------------------------------------------------------------ dispatch
+
+
+# Options of one direction only, with the CLI flag that sets them (for the refusal message).
+_EXPORT_ONLY = {"fp8": "--fp8", "target": "--target"}
+_IMPORT_ONLY = {
+    "layer_ids": "--layer-ids",
+    "model_name": "--model",
+    "codec": "--codec",
+    "hidden_states_path": "--hidden-states-path",
+}
+# Import settings with defaults the CLI always passes; an export has no use for them.
+_IMPORT_TUNING = ("commit_every", "commit_bytes", "on_error", "on_problem")
 
 
 def convert(
@@ -351,23 +366,42 @@ def convert(
     dst_format: str | None = None,
     **kwargs: Any,
 ) -> ConvertResult:
-    """``hsstore convert``: foreign -> hsstore by default, hsstore -> speculators v1 for datasets."""
+    """``hsstore convert``: foreign -> hsstore by default, hsstore -> a foreign format for datasets.
+
+    An option that means nothing in the chosen direction is refused, never silently dropped.
+    """
     src_format = src_format or detect_format(src)
+    given = {k for k, v in kwargs.items() if v is not None and v is not False}
     if src_format == HSSTORE:
-        dst_format = dst_format or "speculators-v1"
-        if dst_format != "speculators-v1":
+        dst_format = dst_format or SPECULATORS_V1
+        wrong = [flag for k, flag in _IMPORT_ONLY.items() if k in given]
+        if kwargs.get("on_error") not in (None, "fail"):
+            wrong.append(f"--on-error {kwargs['on_error']}")
+        if wrong:
             raise BadInputError(
-                f"cannot convert an hsstore dataset to {dst_format!r}", path=str(src)
+                f"{', '.join(wrong)}: only for converting into hsstore, not for exporting to "
+                f"{dst_format} (an export writes every sample as stored, in the target format's "
+                "own encoding, and stops at the first unreadable one)",
+                path=str(src),
             )
-        allowed = {"num_hidden_layers", "workers", "progress"}
-        return export_to_v1(src, dst, **{k: v for k, v in kwargs.items() if k in allowed})
+        drop = {*_IMPORT_ONLY, *_IMPORT_TUNING}
+        return export(
+            src, dst, dst_format=dst_format, **{k: v for k, v in kwargs.items() if k not in drop}
+        )
     dst_format = dst_format or HSSTORE
     if dst_format != HSSTORE:
         raise BadInputError(
             f"{src_format} converts only into hsstore; convert to hsstore first, then export",
             path=str(src),
         )
-    kwargs.pop("dst_format", None)
+    wrong = [flag for k, flag in _EXPORT_ONLY.items() if k in given]
+    if wrong:
+        raise BadInputError(
+            f"{', '.join(wrong)}: only for exporting an hsstore dataset, not for converting "
+            f"{src_format} into hsstore",
+            path=str(src),
+        )
+    kwargs = {k: v for k, v in kwargs.items() if k not in _EXPORT_ONLY}
     return convert_to_hsstore(src, dst, fmt=src_format, **kwargs)
 
 

@@ -14,4 +14,7 @@ if [ "$(uname -s)" = Linux ]; then TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}; 
 python -m pip install --quiet --no-deps "${TORCH_SPEC:-torch==2.13.0}" \
     --extra-index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 python -m pip install --quiet -e '.[dev]'
+# The peers whose own readers the interop tests use; --no-deps because they pin other torch and
+# transformers versions and pull vLLM/SGLang-era stacks; their data modules' needs are in [dev].
+python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"

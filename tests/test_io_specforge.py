@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_source
+from hsstore.io import detect_format, open_foreign
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -22,7 +22,7 @@ def test_reads_aux_then_final_bit_for_bit(tmp_path, compress, dtype):
         tmp_path / "sf", lengths, num_aux=3, hidden_size=8, dtype=dtype, compress=compress
     )
     assert detect_format(tmp_path / "sf") == "specforge"
-    r = open_source(tmp_path / "sf", layer_ids=[28, 1, 15], num_hidden_layers=32)
+    r = open_foreign(tmp_path / "sf", layer_ids=[28, 1, 15], num_hidden_layers=32)
     assert r.format == "specforge" and len(r) == 5 and r.dtype == dtype and r.hidden_size == 8
     # aux ids sorted (SpecForge concatenates in ascending layer order), then the final state.
     assert [(s.depth, s.final_norm, s.source_id) for s in r.layers] == [
@@ -57,14 +57,14 @@ def test_layers_must_be_given(tmp_path):
 
     write_specforge_dir(tmp_path / "sf", [3], num_aux=2)
     with pytest.raises(BadInputError, match="--layer-ids.*--num-hidden-layers"):
-        open_source(tmp_path / "sf", layer_ids=[1, 2])
+        open_foreign(tmp_path / "sf", layer_ids=[1, 2])
 
 
 def test_aux_width_mismatch_is_bad_input(tmp_path):
     from tools.convert_fixtures import write_specforge_dir
 
     write_specforge_dir(tmp_path / "sf", [3, 4], num_aux=3, hidden_size=8)
-    r = open_source(
+    r = open_foreign(
         tmp_path / "sf", layer_ids=[1, 2], num_hidden_layers=8
     )  # says 2 aux, files hold 3
     with pytest.raises(
@@ -79,7 +79,7 @@ def test_truncated_gzip_is_bad_input(tmp_path):
     write_specforge_dir(tmp_path / "sf", [30, 4], num_aux=1, compress=True)
     f = tmp_path / "sf" / "rows_0-2" / "data_0.ckpt.gz"
     f.write_bytes(f.read_bytes()[:200])
-    r = open_source(tmp_path / "sf", layer_ids=[3], num_hidden_layers=8)
+    r = open_foreign(tmp_path / "sf", layer_ids=[3], num_hidden_layers=8)
     with pytest.raises(BadInputError, match="corrupt or truncated gzip") as e:
         r.read(0)
     assert e.value.path == str(f)
@@ -92,4 +92,4 @@ def test_duplicate_stems_are_refused(tmp_path):
     src = tmp_path / "sf" / "rows_0-1" / "data_0.ckpt"
     (tmp_path / "sf" / "rows_1-2" / "data_0.ckpt").write_bytes(src.read_bytes())
     with pytest.raises(BadInputError, match="two files would get sample id 'data_0'"):
-        open_source(tmp_path / "sf", layer_ids=[3], num_hidden_layers=8)
+        open_foreign(tmp_path / "sf", layer_ids=[3], num_hidden_layers=8)

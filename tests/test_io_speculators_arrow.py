@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_source
+from hsstore.io import detect_format, open_foreign
 from tools.convert_fixtures import write_arrow_dir
 
 
@@ -22,7 +22,7 @@ def test_rows_and_states_read_back_exactly(tmp_path, dtype, bool_mask):
         tmp_path / "a", lengths, num_layers=4, hidden_size=8, dtype=dtype, bool_mask=bool_mask
     )
     assert detect_format(tmp_path / "a") == "speculators-arrow"
-    r = open_source(tmp_path / "a", layer_ids=[2, 16, 29, 32])
+    r = open_foreign(tmp_path / "a", layer_ids=[2, 16, 29, 32])
     assert r.format == "speculators-arrow" and len(r) == 3 and r.dtype == dtype
     assert r.model["num_hidden_layers"] == 32  # launch_vllm appends num_hidden_layers last
     assert [(s.depth, s.final_norm) for s in r.layers] == [
@@ -43,7 +43,7 @@ def test_rows_and_states_read_back_exactly(tmp_path, dtype, bool_mask):
 def test_layer_ids_are_required(tmp_path):
     write_arrow_dir(tmp_path / "a", [3])
     with pytest.raises(BadInputError, match="does not record its layers; pass --layer-ids"):
-        open_source(tmp_path / "a")
+        open_foreign(tmp_path / "a")
 
 
 def test_missing_mismatched_and_corrupt_files_are_bad_input(tmp_path):
@@ -58,7 +58,7 @@ def test_missing_mismatched_and_corrupt_files_are_bad_input(tmp_path):
         str(hs / "hs_1.safetensors"),
     )
     (hs / "hs_2.safetensors").write_bytes((hs / "hs_2.safetensors").read_bytes()[:100])
-    r = open_source(tmp_path / "a", layer_ids=[3, 8])
+    r = open_foreign(tmp_path / "a", layer_ids=[3, 8])
     with pytest.raises(BadInputError, match="file is missing"):
         r.read(0)
     with pytest.raises(BadInputError, match="token_ids do not match"):

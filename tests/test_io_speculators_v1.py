@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_source
+from hsstore.io import detect_format, open_foreign
 from hsstore.io.speculators_v1 import SpeculatorsV1Reader, build_data_config, write_sample
 from tools.convert_fixtures import v1_data_config, write_v1_dir
 
@@ -25,7 +25,7 @@ def test_reader_gives_back_every_tensor_bit_for_bit(tmp_path, dtype, layer_ids):
     lengths = [1, 3, 4096, 70]
     src = tmp_path / "v1"
     samples = write_v1_dir(src, lengths, layer_ids=layer_ids, hidden_size=8, dtype=dtype)
-    r = open_source(src)
+    r = open_foreign(src)
     assert r.format == "speculators-v1" and len(r) == len(lengths)
     assert r.dtype == dtype and r.hidden_size == 8
     n = max(layer_ids) + 1  # inferred: the last v1 layer is the verifier's final layer

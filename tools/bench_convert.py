@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore.convert import convert_to_hsstore  # noqa: E402
-from hsstore.io import open_source  # noqa: E402
+from hsstore.io import open_foreign  # noqa: E402
 from hsstore.io.pipeline import default_workers, ordered_map, torch_threads  # noqa: E402
 from tools.convert_fixtures import write_v1_dir  # noqa: E402
 from tools.timing import best_of  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
             convert_to_hsstore(src, dst, codec=codec, workers=args.workers, progress=False)
             shutil.rmtree(dst)
 
-        reader = open_source(src)
+        reader = open_foreign(src)
         workers = args.workers or default_workers()
 
         def read_only() -> None:  # convert's read + validate stage alone

@@ -236,6 +236,24 @@ def check_depth_order(
     return ok(name, f"median token RMS grows with depth ({seq})")
 
 
+def check_model_depth(
+    specs: list[LayerSpec], recorded: int | None, model_layers: int | None
+) -> CheckResult:
+    """Do the stored depths fit the model given with --lm-head? A wrong --num-hidden-layers at
+    import (e.g. 32 for an 8-layer model) labels the final state "after 32" and nothing else
+    in the data can tell."""
+    name = "model_depth"
+    if model_layers is None:
+        return skip(name, "pass --lm-head MODEL_DIR (with num_hidden_layers in its config.json)")
+    deepest = max(specs, key=lambda s: s.depth)
+    if recorded not in (None, model_layers) or deepest.depth > model_layers:
+        n = recorded if recorded is not None else deepest.depth
+        return fail(name, f"the dataset's final state is labelled {deepest.label} of {n} "
+                    f"decoder layers, but the model has {model_layers}: re-convert with "
+                    f"--num-hidden-layers {model_layers}")  # fmt: skip
+    return ok(name, f"depths fit the model's {model_layers} decoder layers")
+
+
 def check_final_norm(
     fit_rows: dict[int, torch.Tensor], specs: list[LayerSpec], hidden_size: int
 ) -> CheckResult:

@@ -56,6 +56,7 @@ class OutputHead:
     layer_norm: bool  # LayerNorm (mean-centred) rather than RMSNorm
     tied: bool
     model_dir: str
+    num_hidden_layers: int | None = None  # from config.json, to check the stored depths
 
     @property
     def vocab_size(self) -> int:
@@ -171,4 +172,6 @@ def load_output_head(model_dir: str | Path) -> OutputHead:
             f"output head {list(weight.shape)} and norm {list(norm_weight.shape)} do not fit",
             path=str(root),
         )
-    return OutputHead(weight, norm_weight, bias, eps, layer_norm, tied, str(root))
+    n = text_cfg.get("num_hidden_layers")
+    n = n if isinstance(n, int) else None
+    return OutputHead(weight, norm_weight, bias, eps, layer_norm, tied, str(root), n)

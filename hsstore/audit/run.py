@@ -184,6 +184,9 @@ def run_audit(src: AuditSource, opts: AuditOptions) -> AuditResult:
             got.layer_summaries, src.layers, src.model.get("num_hidden_layers")
         ),
         checks.check_final_norm(got.fit_rows, src.layers, src.hidden_size),
+        checks.check_model_depth(
+            src.layers, src.model.get("num_hidden_layers"), head.num_hidden_layers if head else None
+        ),
         checks.check_vocab(extremes, vocab, token_scope),
     ]
     results += lm_results

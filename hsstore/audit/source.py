@@ -161,7 +161,7 @@ def open_audit_source(
     no format fits, BadInputError when a foreign directory cannot be opened.
     """
     import hsstore
-    from hsstore.io import detect_format, open_source
+    from hsstore.io import detect_format, open_foreign
 
     p = Path(path)
     if not p.exists():
@@ -179,5 +179,5 @@ def open_audit_source(
             path=str(p),
         ) from None
     return ForeignSource(
-        open_source(p, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
+        open_foreign(p, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
     )

@@ -1,4 +1,4 @@
-"""`hsstore convert SRC DST`: foreign hidden states into hsstore, or hsstore out to speculators v1."""
+"""`hsstore convert SRC DST`: foreign hidden states into hsstore, or an hsstore dataset out."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
+from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, HSSTORE
 
-FORMATS = ("hsstore", "speculators-v1", "specforge", "speculators-arrow")
+FORMATS = ALL_FORMATS
 
 
 def _parse_ids(value: str | None) -> list[int] | None:
@@ -29,8 +30,25 @@ def _parse_ids(value: str | None) -> list[int] | None:
 @click.option(
     "--to",
     "dst_format",
-    type=click.Choice(("hsstore", "speculators-v1")),
+    type=click.Choice((HSSTORE, *EXPORT_FORMATS)),
     help="Target format (default: hsstore, or speculators-v1 when SRC is an hsstore dataset).",
+)
+@click.option(
+    "--fp8",
+    is_flag=True,
+    help="--to speculators-arrow: store float8_e4m3fn states with per-token scales, as "
+    "hs-connectors' FP8 connector writes them.",
+)
+@click.option(
+    "--target",
+    type=click.Path(path_type=Path),
+    help="--to specforge: the target model folder (config.json + safetensors); only its final "
+    "norm is read, to apply to a final state stored before the norm.",
+)
+@click.option(
+    "--hidden-states-path",
+    type=click.Path(path_type=Path),
+    help="--from speculators-arrow: the hs_{i}.safetensors folder when it is not DIR/hidden_states.",
 )
 @click.option(
     "--layer-ids",
@@ -66,6 +84,9 @@ def command(
     dst: Path,
     src_format: str | None,
     dst_format: str | None,
+    fp8: bool,
+    target: Path | None,
+    hidden_states_path: Path | None,
     layer_ids: str | None,
     num_hidden_layers: int | None,
     model_name: str | None,
@@ -90,6 +111,9 @@ def command(
         dst,
         src_format=src_format,
         dst_format=dst_format,
+        fp8=fp8,
+        target=target,
+        hidden_states_path=hidden_states_path,
         layer_ids=_parse_ids(layer_ids),
         num_hidden_layers=num_hidden_layers,
         model_name=model_name,
@@ -110,3 +134,5 @@ def command(
             f"{result.already_present} already present, {len(result.skipped)} skipped; "
             f"{result.total_samples} samples in {result.dest} ({result.seconds:.1f} s, {rate:.2f} GB/s)"
         )
+        for note in result.notes:
+            click.echo(f"note: {note}")

@@ -1,7 +1,7 @@
-"""Readers (and the one writer) for hidden-state formats other than hsstore's own.
+"""Readers and writers for hidden-state formats other than hsstore's own (foreign formats).
 
-``detect_format`` tells the formats apart by their files; ``open_source`` returns a
-:class:`SourceReader` for one of them. Each format lives in its own module.
+``detect_format`` tells the formats apart by their files; ``open_foreign`` returns a
+:class:`ForeignReader` for one of them. Each format lives in its own module.
 """
 
 from __future__ import annotations
@@ -11,23 +11,26 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hsstore.errors import BadInputError, HsstoreError
-from hsstore.io.base import SourceItem, SourceReader
+from hsstore.io.base import ForeignReader, ForeignSample
 
 HSSTORE = "hsstore"
 SPECULATORS_V1 = "speculators-v1"
 SPECFORGE = "specforge"
 SPECULATORS_ARROW = "speculators-arrow"
 
-SOURCE_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW)
-ALL_FORMATS: tuple[str, ...] = (HSSTORE, *SOURCE_FORMATS)
+FOREIGN_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW)
+ALL_FORMATS: tuple[str, ...] = (HSSTORE, *FOREIGN_FORMATS)
+# Formats an hsstore dataset can be exported to (each module's ForeignWriter).
+EXPORT_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECULATORS_ARROW, SPECFORGE)
 
 __all__ = [
     "ALL_FORMATS",
-    "SOURCE_FORMATS",
-    "SourceItem",
-    "SourceReader",
+    "EXPORT_FORMATS",
+    "FOREIGN_FORMATS",
+    "ForeignSample",
+    "ForeignReader",
     "detect_format",
-    "open_source",
+    "open_foreign",
 ]
 
 
@@ -69,13 +72,14 @@ def detect_format(path: str | os.PathLike) -> str:
     )
 
 
-def open_source(
+def open_foreign(
     path: str | os.PathLike,
     *,
     fmt: str | None = None,
     layer_ids: Sequence[int] | None = None,
     num_hidden_layers: int | None = None,
-) -> SourceReader:
+    hidden_states_path: str | os.PathLike | None = None,
+) -> ForeignReader:
     """Open a foreign dataset read-only, detecting its format unless ``fmt`` is given."""
     fmt = fmt or detect_format(path)
     if fmt == SPECULATORS_V1:
@@ -90,6 +94,17 @@ def open_source(
         )
     else:
         raise BadInputError(
-            f"unknown format {fmt!r}; known: {', '.join(SOURCE_FORMATS)}", path=str(path)
+            f"unknown format {fmt!r}; known: {', '.join(FOREIGN_FORMATS)}", path=str(path)
+        )
+    if fmt == SPECULATORS_ARROW:
+        return reader(
+            path,
+            layer_ids=layer_ids,
+            num_hidden_layers=num_hidden_layers,
+            hidden_states_path=hidden_states_path,
+        )
+    if hidden_states_path is not None:
+        raise BadInputError(
+            f"--hidden-states-path applies to speculators-arrow only, not {fmt}", path=str(path)
         )
     return reader(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)

@@ -1,6 +1,6 @@
 """What every foreign-format reader shares: the item it yields and the checks it applies.
 
-A reader turns one foreign file into a :class:`SourceItem` in hsstore's shape (hidden as
+A reader turns one foreign file into a :class:`ForeignSample` in hsstore's shape (hidden as
 ``[T, L, H]``) or raises :class:`BadInputError` naming the file and the problem. Keeping the
 validation here means every format rejects the same defects with the same words.
 """
@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import pickle
 import re
+import tempfile
 import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ _BITS = {
 
 
 @dataclass
-class SourceItem:
+class ForeignSample:
     """One sample of a foreign dataset, already in hsstore's shape."""
 
     sample_id: str
@@ -50,7 +52,7 @@ class SourceItem:
         return self.hidden.numel() * self.hidden.element_size()
 
 
-class SourceReader(ABC):
+class ForeignReader(ABC):
     """A foreign dataset opened read-only: metadata up front, samples on demand.
 
     Attributes: ``format`` (its name), ``path`` (the directory), ``layers`` (canonical, with the
@@ -80,7 +82,7 @@ class SourceReader(ABC):
         ]
 
     @abstractmethod
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         """Load and validate sample i; raise BadInputError(path=file) if it is malformed."""
 
     def provenance(self) -> dict[str, Any]:
@@ -326,3 +328,60 @@ def check_finite(t: torch.Tensor, path: str, what: str = "hidden states") -> Non
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def atomic_write(path: Path, write) -> None:
+    """Write a file whole or not at all: temp file in the same folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
+def is_temp_debris(name: str) -> bool:
+    """A temp file :func:`atomic_write` leaves when a run is killed mid-write."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+class ForeignWriter(ABC):
+    """Writes an hsstore dataset out in a foreign format, one file per sample.
+
+    ``convert.export`` drives it: ``sample_path(k)`` for every sample k in storage order (files
+    already there are kept, so an interrupted export resumes), ``write(k, sample)`` from several
+    threads at once, then ``finish()`` for the dataset-wide files. The constructor validates that
+    the format can hold the dataset and raises BadInputError naming the fix when it cannot.
+    """
+
+    format: str
+
+    @abstractmethod
+    def sample_path(self, k: int) -> Path:
+        """Where sample k goes (absolute, under the output folder)."""
+
+    @abstractmethod
+    def is_own(self, relative: Path) -> bool:
+        """Is this top-level entry of the output folder something this writer makes?"""
+
+    @abstractmethod
+    def write(self, k: int, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
+        """Write sample k atomically."""
+
+    def finish(self) -> None:  # noqa: B027 (optional hook)
+        """Write the files that describe the whole export (called after every sample)."""
+
+    def notes(self) -> list[str]:
+        """Lines the user needs to train on the output (e.g. which layer ids to pass)."""
+        return []

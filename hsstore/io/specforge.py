@@ -1,4 +1,4 @@
-"""SpecForge offline hidden states (``scripts/prepare_hidden_states.py``), read-only.
+"""SpecForge offline hidden states (``scripts/prepare_hidden_states.py``): reader and writer.
 
 Layout: ``data_{i}.ckpt`` (or ``data_{i}.ckpt.gz`` with ``--compress``), usually grouped in
 ``rows_{a}-{b}`` subfolders. Each is a ``torch.save`` dict with ``input_ids`` ([T] or [1, T]),
@@ -20,11 +20,15 @@ from typing import Any
 
 import torch
 
+from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
-from hsstore.format.conventions import SPECFORGE, ConventionError, to_canonical
+from hsstore.format.conventions import SPECFORGE, ConventionError, from_canonical, to_canonical
+from hsstore.format.layers import LayerSpec
 from hsstore.io.base import (
-    SourceItem,
-    SourceReader,
+    ForeignReader,
+    ForeignSample,
+    ForeignWriter,
+    atomic_write,
     check_finite,
     check_tokens,
     file_index,
@@ -36,6 +40,7 @@ from hsstore.io.base import (
     strip_suffix,
     unique_stems,
 )
+from hsstore.io.final_norm import FinalNorm
 
 FORMAT = "specforge"
 SUFFIXES = (".ckpt", ".ckpt.gz")
@@ -52,7 +57,7 @@ def list_data_files(root: Path) -> list[Path]:
     return sorted(set(files), key=lambda p: natural_key(strip_suffix(p.name, SUFFIXES)))
 
 
-class SpecForgeReader(SourceReader):
+class SpecForgeReader(ForeignReader):
     """Reads a SpecForge offline directory; see the module docstring."""
 
     format = FORMAT
@@ -120,7 +125,7 @@ class SpecForgeReader(SourceReader):
     def names(self) -> list[str]:
         return [p.relative_to(self.path).as_posix() for p in self._files]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._files[i]
         where = str(p)
         obj = require_keys(load_torch_file(p), KEYS, where)
@@ -135,7 +140,7 @@ class SpecForgeReader(SourceReader):
         dst[:, :k, :] = int_view(aux).reshape(t, k, h)
         dst[:, k, :] = int_view(final)
         check_finite(hidden, where)
-        return SourceItem(
+        return ForeignSample(
             self._stems[i], p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden
         )
 
@@ -161,3 +166,115 @@ class SpecForgeReader(SourceReader):
             "ids": [*self.aux_layer_ids, self.num_hidden_layers],
         }
         return out
+
+
+# --------------------------------------------------------------------------------- writing
+
+GROUP_SIZE = 2000  # scripts/prepare_hidden_states.py groups files in rows_{g}-{g+2000} folders
+NUM_AUX = 3  # SpecForge's EAGLE-3 drafter fuses exactly three aux layers (fc is 3H -> H)
+
+
+def specforge_layout(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
+    """SpecForge aux ids of a dataset's layers, or BadInputError saying why it cannot hold them."""
+    n = num_hidden_layers
+    *aux, final = layers
+    if len(aux) != NUM_AUX or final.depth != n:
+        raise BadInputError(
+            f"cannot export to specforge: it needs exactly {NUM_AUX} aux layers plus the final "
+            f"state (after {n}) last, but this dataset stores {[s.label for s in layers]}",
+            path=path,
+        )
+    depths = [s.depth for s in aux]
+    if depths != sorted(set(depths)) or any(s.final_norm for s in aux):
+        raise BadInputError(
+            f"cannot export to specforge: its aux layers are concatenated in ascending order, "
+            f"but this dataset stores {[s.label for s in aux]}",
+            path=path,
+        )
+    try:
+        ids = from_canonical(SPECFORGE, aux, n)
+    except ConventionError as exc:
+        raise BadInputError(f"cannot export to specforge: {exc}", path=path) from None
+    return ids
+
+
+def specforge_features(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    hidden: torch.Tensor,
+    norm: FinalNorm | None,
+) -> dict[str, torch.Tensor]:
+    """One sample as SpecForge's offline files hold it, from hsstore's [T, 3 + 1, H] states."""
+    t, _, h = hidden.shape
+    final = hidden[:, NUM_AUX, :]
+    if norm is not None:
+        final = norm(final)
+    return {
+        "input_ids": input_ids.to(torch.int64).contiguous().clone(),
+        "loss_mask": loss_mask.to(torch.int64).contiguous().clone(),
+        "hidden_state": final.contiguous().clone().unsqueeze(0),
+        "aux_hidden_state": hidden[:, :NUM_AUX, :].reshape(t, NUM_AUX * h).clone().unsqueeze(0),
+    }
+
+
+def check_final_norm(
+    layers: Sequence[LayerSpec], num_hidden_layers: int, norm: FinalNorm | None, path: str
+) -> FinalNorm | None:
+    """The norm to apply to the final state (None when it is stored after the norm), or
+    BadInputError when it is needed and missing or belongs to another model."""
+    if layers[-1].final_norm:
+        return None
+    if norm is None:
+        raise BadInputError(
+            "the final state is stored before the final norm, but SpecForge needs it after "
+            "(its target head is the lm_head alone); pass --target MODEL_DIR so the model's "
+            "final RMSNorm can be applied",
+            path=path,
+        )
+    if norm.num_hidden_layers not in (None, num_hidden_layers):
+        raise BadInputError(
+            f"--target has {norm.num_hidden_layers} decoder layers but the dataset's model "
+            f"has {num_hidden_layers}: is this the dataset's target model?",
+            path=norm.source,
+        )
+    return norm
+
+
+class SpecForgeWriter(ForeignWriter):
+    """Writes what SpecForge 0.2's offline reader (``runtime/data_plane/offline_reader.py``) and
+    EAGLE-3 normaliser (``algorithms/eagle3/data.py``) read. A pre-norm final state gets the
+    target's final norm applied (``norm``, from ``--target``); without it the export is refused."""
+
+    format = FORMAT
+
+    def __init__(
+        self,
+        ds: Dataset,
+        out: Path,
+        *,
+        source: str,
+        num_hidden_layers: int,
+        norm: FinalNorm | None = None,
+    ) -> None:
+        self.out = out
+        self.aux_ids = specforge_layout(ds.layers, num_hidden_layers, source)
+        self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source)
+
+    def sample_path(self, k: int) -> Path:
+        g = k // GROUP_SIZE * GROUP_SIZE
+        return self.out / f"rows_{g}-{g + GROUP_SIZE}" / f"data_{k}.ckpt"
+
+    def is_own(self, relative: Path) -> bool:
+        return relative.name.startswith("rows_")
+
+    def notes(self) -> list[str]:
+        lines = [f"SpecForge aux layer ids {','.join(map(str, self.aux_ids))}"]
+        if self.norm is not None:
+            lines.append(f"final norm applied to the final state (from {self.norm.source})")
+        return lines
+
+    def write(self, k: int, input_ids, loss_mask, hidden) -> None:
+        path = self.sample_path(k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        obj = specforge_features(input_ids, loss_mask, hidden, self.norm)
+        atomic_write(path, lambda f: torch.save(obj, f))

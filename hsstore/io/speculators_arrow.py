@@ -1,4 +1,4 @@
-"""speculators 0.5+ offline data: an Arrow dataset plus ``hs_{i}.safetensors`` files, read-only.
+"""speculators 0.5+ offline data: an Arrow dataset plus ``hs_{i}.safetensors`` files.
 
 Layout (speculators ``scripts/prepare_data.py`` + ``scripts/data_generation_offline.py``):
 
@@ -6,7 +6,16 @@ Layout (speculators ``scripts/prepare_data.py`` + ``scripts/data_generation_offl
   ``dataset_info.json`` and ``data-XXXXX-of-XXXXX.arrow`` (Arrow IPC stream) with one row per
   sample and columns ``input_ids`` (list<int64>), ``loss_mask`` (list<int64|bool>), ``seq_len``;
 - ``hidden_states/hs_{i}.safetensors`` holds row i's ``hidden_states`` [T, L, H] and
-  ``token_ids`` [T] (which must equal the row's ``input_ids``).
+  ``token_ids`` [T] (which must equal the row's ``input_ids``). The folder may sit elsewhere
+  (speculators' ``--hidden-states-path``, ``hs_connectors/transfer.py`` ``FileBackend``).
+- the FP8 variant (hs-connectors 0.9 ``fp8_hidden_states_connector.py``) stores
+  ``hidden_states`` as ``float8_e4m3fn`` plus ``hidden_states_scales`` fp32 [T, 1, 1]; the
+  trainer reads ``fp8.to(bf16) * scale.to(bf16)`` (``hs_connectors/fp8_utils.py``
+  ``dequantize_fp8_tensor``, used by ``FP8Transfer``), and so does this reader.
+
+speculators 0.9's ``ArrowDataset`` (``speculators/train/data.py``, ``_get_raw_data``) takes every
+layer but the last as the drafter's input and the last as the verifier's final (pre-norm) state,
+so the writer here refuses datasets whose last layer is not depth N before the final norm.
 
 The files do not record the layers. They come from vLLM's ``extract_hidden_states`` with
 ``eagle_aux_hidden_state_layer_ids`` (vLLM convention: id v = residual entering decoder layer v,
@@ -16,6 +25,7 @@ state), so the caller passes those ids; num_hidden_layers defaults to the larges
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -25,20 +35,36 @@ from typing import Any
 import pyarrow as pa
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
 
+from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
-from hsstore.format.conventions import VLLM, ConventionError, to_canonical
+from hsstore.format.conventions import VLLM, ConventionError, from_canonical, to_canonical
+from hsstore.format.layers import LayerSpec
 from hsstore.io.base import (
     FLOAT_DTYPES,
-    SourceItem,
-    SourceReader,
+    ForeignReader,
+    ForeignSample,
+    ForeignWriter,
+    atomic_write,
+    check_finite,
     check_hidden,
     check_tokens,
     require_dir,
+    write_json,
 )
 
 FORMAT = "speculators-arrow"
 HS_DIR = "hidden_states"
+SCALES_KEY = "hidden_states_scales"  # hs_connectors/fp8_utils.py SCALES_KEY
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_SAFETENSORS = "F8_E4M3"
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    FP8_SAFETENSORS: torch.bfloat16,  # dequantized on read, as the trainer does
+}
 
 
 def arrow_files(root: Path) -> list[Path]:
@@ -74,7 +100,7 @@ def read_arrow_table(files: list[Path]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-class SpeculatorsArrowReader(SourceReader):
+class SpeculatorsArrowReader(ForeignReader):
     """Reads a speculators 0.5+ dataset directory; see the module docstring."""
 
     format = FORMAT
@@ -85,12 +111,16 @@ class SpeculatorsArrowReader(SourceReader):
         *,
         layer_ids: Sequence[int] | None = None,
         num_hidden_layers: int | None = None,
+        hidden_states_path: str | os.PathLike | None = None,
     ) -> None:
         self.path = require_dir(path)
-        self.hs_dir = self.path / HS_DIR
+        self.hs_dir = Path(hidden_states_path) if hidden_states_path else self.path / HS_DIR
         if not self.hs_dir.is_dir():
+            where = "--hidden-states-path" if hidden_states_path else f"{HS_DIR}/"
             raise BadInputError(
-                f"no {HS_DIR}/ folder of hs_{{i}}.safetensors files", path=str(self.path)
+                f"no {where} folder of hs_{{i}}.safetensors files (pass --hidden-states-path "
+                "when the states sit elsewhere)",
+                path=str(self.hs_dir),
             )
         files = arrow_files(self.path)
         if not files:
@@ -104,7 +134,7 @@ class SpeculatorsArrowReader(SourceReader):
         if layer_ids is None:
             raise BadInputError(
                 "speculators 0.5+ data does not record its layers; pass --layer-ids "
-                "(vLLM eagle_aux_hidden_state_layer_ids, e.g. 2,16,29,32)",
+                "(vLLM eagle_aux_hidden_state_layer_ids plus the final layer N, e.g. 2,16,29,32)",
                 path=str(self.path),
             )
         ids = [int(v) for v in layer_ids]
@@ -113,19 +143,32 @@ class SpeculatorsArrowReader(SourceReader):
                 f"layer ids must be distinct and non-empty, got {ids}", path=str(self.path)
             )
         self.layer_ids = sorted(ids)
+        self.hidden_size, self.dtype, self.fp8, stored_layers = self._probe()
+        if stored_layers == len(ids) + 1:
+            # speculators 0.9 (launch_vllm.py) appends num_hidden_layers to the aux ids itself.
+            raise BadInputError(
+                f"the files hold {stored_layers} layers but --layer-ids names {len(ids)}: did you "
+                f"forget the final layer N in --layer-ids (e.g. {','.join(map(str, ids))},N)?",
+                path=str(self.path),
+            )
+        if stored_layers != len(ids):
+            raise BadInputError(
+                f"the files hold {stored_layers} layers but --layer-ids names {len(ids)}",
+                path=str(self.path),
+            )
         n = num_hidden_layers if num_hidden_layers is not None else max(ids)
         self.num_hidden_layers = n
         try:
             self.layers = to_canonical(VLLM, self.layer_ids, n)
         except ConventionError as exc:
             raise BadInputError(str(exc), path=str(self.path)) from None
-        self.hidden_size, self.dtype = self._probe()
         self.model = {"name": None, "num_hidden_layers": n, "hidden_size": self.hidden_size}
 
     def _hs_path(self, i: int) -> Path:
         return self.hs_dir / f"hs_{i}.safetensors"
 
-    def _probe(self) -> tuple[int, torch.dtype]:
+    def _probe(self) -> tuple[int, torch.dtype, bool, int]:
+        """(hidden size, dtype the trainer sees, stored as fp8?, layers) from the first file."""
         for i in range(len(self)):
             p = self._hs_path(i)
             if not p.exists():
@@ -134,13 +177,19 @@ class SpeculatorsArrowReader(SourceReader):
                 with safe_open(str(p), framework="pt") as f:
                     sl = f.get_slice("hidden_states")
                     shape, dt = sl.get_shape(), sl.get_dtype()
+                    fp8 = SCALES_KEY in set(f.keys())
             except (SafetensorError, OSError, KeyError):
                 continue
-            dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dt)
+            if dt == FP8_SAFETENSORS and not fp8:
+                raise BadInputError(
+                    f"float8 hidden_states without {SCALES_KEY!r}; cannot dequantize", path=str(p)
+                )
+            dtype = _SAFETENSORS_DTYPES.get(dt)
             if dtype is not None and len(shape) == 3:
-                return int(shape[2]), dtype
+                return int(shape[2]), dtype, fp8, int(shape[1])
         raise BadInputError(
-            "no readable hs_{i}.safetensors file to learn hidden size and dtype from",
+            "no readable hs_{i}.safetensors file (bf16/fp16/fp32, or fp8 with "
+            f"{SCALES_KEY}) to learn hidden size and dtype from",
             path=str(self.hs_dir),
         )
 
@@ -150,7 +199,7 @@ class SpeculatorsArrowReader(SourceReader):
     def names(self) -> list[str]:
         return [f"{HS_DIR}/hs_{i}.safetensors" for i in range(len(self))]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._hs_path(i)
         where = str(p)
         row_ids = torch.from_numpy(self._input_ids[i].values.to_numpy(zero_copy_only=False).copy())
@@ -168,10 +217,13 @@ class SpeculatorsArrowReader(SourceReader):
                     )
                 hidden = f.get_tensor("hidden_states")
                 token_ids = f.get_tensor("token_ids")
+                scales = f.get_tensor(SCALES_KEY) if SCALES_KEY in keys else None
         except SafetensorError as exc:
             raise BadInputError(
                 f"corrupt or truncated safetensors file ({exc})", path=where
             ) from None
+        if hidden.dtype == FP8_DTYPE:
+            hidden = dequantize_fp8(hidden, scales, len(input_ids), where)
         if hidden.dtype not in FLOAT_DTYPES:
             raise BadInputError(
                 f"hidden_states has dtype {hidden.dtype}, expected a float type", path=where
@@ -184,9 +236,149 @@ class SpeculatorsArrowReader(SourceReader):
                 f"hidden_states has {hidden.shape[0]} tokens but input_ids has {t}", path=where
             )
         check_hidden(hidden, t, len(self.layers), self.hidden_size, self.dtype, where)
-        return SourceItem(f"hs_{i}", f"{HS_DIR}/hs_{i}.safetensors", input_ids, loss_mask, hidden)
+        return ForeignSample(
+            f"hs_{i}", f"{HS_DIR}/hs_{i}.safetensors", input_ids, loss_mask, hidden
+        )
 
     def provenance(self) -> dict[str, Any]:
         out = super().provenance()
         out["source_layer_ids"] = {"convention": VLLM, "ids": self.layer_ids}
+        if self.fp8:
+            out["source_encoding"] = "float8_e4m3fn with per-token scales, dequantized to bf16"
+        if self.hs_dir != self.path / HS_DIR:
+            out["hidden_states_path"] = str(self.hs_dir)
         return out
+
+
+def dequantize_fp8(
+    fp8: torch.Tensor, scales: torch.Tensor | None, num_tokens: int, where: str
+) -> torch.Tensor:
+    """What speculators' trainer sees: ``fp8.to(bf16) * scale.to(bf16)``.
+
+    Same arithmetic as hs-connectors 0.9 ``hs_connectors/fp8_utils.py`` ``dequantize_fp8_tensor``
+    with ``FP8Transfer``'s default ``dequantize_dtype=torch.bfloat16`` (``transfer.py``).
+    """
+    if scales is None:
+        raise BadInputError(f"float8 hidden_states without {SCALES_KEY!r}", path=where)
+    if scales.dtype != torch.float32 or list(scales.shape) != [num_tokens, 1, 1]:
+        raise BadInputError(
+            f"{SCALES_KEY} has {scales.dtype} {list(scales.shape)}, expected float32 "
+            f"[{num_tokens}, 1, 1]",
+            path=where,
+        )
+    check_finite(scales, where, what=SCALES_KEY)
+    return fp8.to(torch.bfloat16) * scales.to(torch.bfloat16)
+
+
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 exactly as hs-connectors 0.9 writes it (``fp8_utils.py``
+    ``quantize_tensor_to_fp8``): scale = max(amax / 448, 1e-12) over all but the token dim."""
+    fp32 = hidden.float()
+    amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
+    scale = (amax / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
+    return (fp32 / scale).to(FP8_DTYPE), scale
+
+
+# --------------------------------------------------------------------------------- writing
+
+ARROW_FILE = "data-00000-of-00001.arrow"
+_COLUMNS_INFO = {  # datasets' `features` for the three columns speculators' ArrowDataset reads
+    "input_ids": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"},
+    "loss_mask": {"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"},
+    "seq_len": {"dtype": "int64", "_type": "Value"},
+}
+
+
+def arrow_layer_ids(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
+    """vLLM ids of a dataset's layers, or BadInputError saying why speculators cannot train on
+    them (its trainer takes the last layer as the verifier's final, pre-norm state)."""
+    n = num_hidden_layers
+    last = layers[-1]
+    if last.depth != n or last.final_norm:
+        raise BadInputError(
+            "cannot export to speculators-arrow: its trainer takes the last stored layer as the "
+            f"verifier's final state before the norm (after {n}), but this dataset's last layer "
+            f"is {last.label}",
+            path=path,
+        )
+    try:
+        return from_canonical(VLLM, layers, n)
+    except ConventionError as exc:
+        raise BadInputError(f"cannot export to speculators-arrow: {exc}", path=path) from None
+
+
+def write_hidden_states(
+    path: Path, input_ids: torch.Tensor, hidden: torch.Tensor, *, fp8: bool
+) -> None:
+    """One ``hs_{i}.safetensors`` as vLLM's hidden-states connector (or hs-connectors' FP8 one)
+    writes it: ``hidden_states`` [T, L, H], ``token_ids`` int64 [T] (+ fp8 ``hidden_states_scales``)."""
+    tensors = {"hidden_states": hidden.contiguous(), "token_ids": input_ids.to(torch.int64)}
+    if fp8:
+        tensors["hidden_states"], tensors[SCALES_KEY] = quantize_fp8(hidden)
+    atomic_write(path, lambda f: f.write(save(tensors)))
+
+
+def write_rows(out: Path, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The ``datasets.save_to_disk`` folder speculators' ``prepare_data`` writes (torch format)."""
+    table = pa.table(
+        {
+            "input_ids": pa.array([r[0].tolist() for r in rows], type=pa.list_(pa.int64())),
+            "loss_mask": pa.array([r[1].tolist() for r in rows], type=pa.list_(pa.int64())),
+            "seq_len": pa.array([len(r[0]) for r in rows], type=pa.int64()),
+        }
+    )
+    meta = {"huggingface": json.dumps({"info": {"features": _COLUMNS_INFO}})}
+    table = table.replace_schema_metadata(meta)
+
+    def write_arrow(f) -> None:
+        with pa.ipc.new_stream(f, table.schema) as stream:
+            stream.write_table(table)
+
+    atomic_write(out / ARROW_FILE, write_arrow)
+    write_json(out / "dataset_info.json", {"features": _COLUMNS_INFO})
+    # speculators' preprocessing calls dataset.set_format(type="torch") before save_to_disk.
+    state = {
+        "_data_files": [{"filename": ARROW_FILE}],
+        "_fingerprint": hashlib.sha256(table.to_string().encode()).hexdigest()[:16],
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": "torch",
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    write_json(out / "state.json", state)
+
+
+class SpeculatorsArrowWriter(ForeignWriter):
+    """Writes the layout speculators 0.9's ``ArrowDataset`` reads; ``fp8`` as hs-connectors."""
+
+    format = FORMAT
+
+    def __init__(
+        self, ds: Dataset, out: Path, *, source: str, num_hidden_layers: int, fp8: bool = False
+    ) -> None:
+        self.ds, self.out, self.fp8 = ds, out, fp8
+        self.layer_ids = arrow_layer_ids(ds.layers, num_hidden_layers, source)
+
+    def sample_path(self, k: int) -> Path:
+        return self.out / HS_DIR / f"hs_{k}.safetensors"
+
+    def is_own(self, relative: Path) -> bool:
+        return relative.name in (ARROW_FILE, "dataset_info.json", "state.json", HS_DIR)
+
+    def write(self, k: int, input_ids, loss_mask, hidden) -> None:
+        (self.out / HS_DIR).mkdir(exist_ok=True)
+        write_hidden_states(self.sample_path(k), input_ids, hidden, fp8=self.fp8)
+
+    def finish(self) -> None:
+        write_rows(self.out, [self.ds.read_tokens(k) for k in range(len(self.ds))])
+
+    def notes(self) -> list[str]:
+        # speculators 0.9 speculators/train/config/schema.py (target_layer_ids, ~line 115): the
+        # aux ids, "excluding the final layer launch_vllm.py appends".
+        aux = ",".join(map(str, self.layer_ids[:-1]))
+        return [
+            f"vLLM layer ids {','.join(map(str, self.layer_ids))} (speculators' "
+            f"--target-layer-ids {aux}; it appends the final layer {self.layer_ids[-1]} itself)"
+            + ("; states are fp8: train with --hidden-states-backend fp8" if self.fp8 else "")
+        ]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,11 +24,21 @@ from typing import Any
 
 import torch
 
+from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
-from hsstore.format.conventions import SPECULATORS, ConventionError, to_canonical
-from hsstore.io.base import (
-    SourceItem,
-    SourceReader,
+from hsstore.format.conventions import (
+    SPECULATORS,
+    VLLM,
+    ConventionError,
+    from_canonical,
+    to_canonical,
+)
+from hsstore.format.layers import LayerSpec
+from hsstore.io.base import (  # noqa: F401 (atomic_write, write_json: this module's API)
+    ForeignReader,
+    ForeignSample,
+    ForeignWriter,
+    atomic_write,
     check_finite,
     check_layer_tensor,
     check_tokens,
@@ -40,6 +49,7 @@ from hsstore.io.base import (
     require_keys,
     stack_layers,
     unique_stems,
+    write_json,
 )
 
 FORMAT = "speculators-v1"
@@ -64,7 +74,7 @@ def read_json(path: Path) -> Any:
         raise BadInputError(f"not valid JSON ({exc})", path=str(path)) from None
 
 
-class SpeculatorsV1Reader(SourceReader):
+class SpeculatorsV1Reader(ForeignReader):
     """Reads a speculators v1 directory; see the module docstring for the layout."""
 
     format = FORMAT
@@ -179,7 +189,7 @@ class SpeculatorsV1Reader(SourceReader):
     def names(self) -> list[str]:
         return [p.relative_to(self.path).as_posix() for p in self._files]
 
-    def read(self, i: int) -> SourceItem:
+    def read(self, i: int) -> ForeignSample:
         p = self._files[i]
         where = str(p)
         obj = require_keys(load_torch_file(p), KEYS, where)
@@ -205,7 +215,9 @@ class SpeculatorsV1Reader(SourceReader):
         expect = (self.sample_lengths or {}).get(idx, t)
         if expect != t:
             raise BadInputError(f"has {t} tokens but sample_lengths.json says {expect}", path=where)
-        return SourceItem(p.stem, p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden)
+        return ForeignSample(
+            p.stem, p.relative_to(self.path).as_posix(), input_ids, loss_mask, hidden
+        )
 
     def provenance(self) -> dict[str, Any]:
         out = super().provenance()
@@ -238,23 +250,6 @@ def write_sample(
         "loss_mask": _own_storage(loss_mask.to(torch.int64)),
     }
     atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj: Any) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
 def build_data_config(
@@ -331,3 +326,79 @@ def build_data_config(
             },
         },
     }
+
+
+def v1_layer_ids(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
+    """speculators ids for a dataset's layers, or BadInputError saying why v1 cannot hold them."""
+    try:
+        ids = from_canonical(SPECULATORS, layers, num_hidden_layers)
+    except ConventionError as exc:
+        raise BadInputError(f"cannot export to speculators v1: {exc}", path=path) from None
+    if ids != sorted(set(ids)):
+        raise BadInputError(
+            f"cannot export to speculators v1: its files list layers in ascending order, "
+            f"but this dataset stores ids {ids}",
+            path=path,
+        )
+    if layers[-1].depth != num_hidden_layers:
+        raise BadInputError(
+            "cannot export to speculators v1: its trainer takes the last layer as the verifier's "
+            f"final state, but this dataset's last layer is {layers[-1].label} of {num_hidden_layers}",
+            path=path,
+        )
+    return ids
+
+
+class SpeculatorsV1Writer(ForeignWriter):
+    """Writes ``data_{k}.pt`` files, then ``sample_lengths.json`` and ``data_config.json``."""
+
+    format = FORMAT
+
+    def __init__(self, ds: Dataset, out: Path, *, source: str, num_hidden_layers: int) -> None:
+        self.ds, self.out = ds, out
+        self.num_hidden_layers = num_hidden_layers
+        self.layer_ids = v1_layer_ids(ds.layers, num_hidden_layers, source)
+
+    def sample_path(self, k: int) -> Path:
+        return self.out / f"data_{k}.pt"
+
+    def is_own(self, relative: Path) -> bool:
+        name = relative.name
+        if name in (LENGTHS_FILE, CONFIG_FILE):
+            return True
+        return name.endswith(".pt") and file_index(name[:-3], "data_") is not None
+
+    def write(self, k: int, input_ids, loss_mask, hidden) -> None:
+        write_sample(self.sample_path(k), input_ids, loss_mask, hidden)
+
+    def finish(self) -> None:
+        ds = self.ds
+        lengths = [int(v) for v in ds.index.column("num_tokens").to_pylist()]
+        write_json(self.out / LENGTHS_FILE, {str(k): t for k, t in enumerate(lengths)})
+        manifest = ds.manifest
+        base = manifest.provenance.get("speculators_data_config")
+        cfg = build_data_config(
+            layer_ids=self.layer_ids,
+            hidden_size=ds.hidden_size,
+            dtype=ds.dtype,
+            num_samples=len(ds),
+            model_name=manifest.model.name if manifest.model else None,
+            base=base,
+        )
+        if base is None:
+            # speculators 0.7+ takes --target-layer-ids in vLLM's convention (id = depth), one
+            # more than the v1 ids above for the same states; recording both keeps a drafter
+            # config written from this file from being off by one. v1 readers ignore the extra
+            # key. A config that came from v1 is written back as it was (round trips are exact);
+            # the export's note says the vLLM ids either way.
+            cfg["hidden_states"]["vllm_layer_ids"] = from_canonical(
+                VLLM, ds.layers, self.num_hidden_layers
+            )
+        write_json(self.out / CONFIG_FILE, cfg)
+
+    def notes(self) -> list[str]:
+        vllm = from_canonical(VLLM, self.ds.layers, self.num_hidden_layers)
+        return [
+            f"data_config.json layer_ids {self.layer_ids} are v1 ids; speculators 0.7+ "
+            f"--target-layer-ids takes vLLM ids: {','.join(map(str, vllm))}"
+        ]
