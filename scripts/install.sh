@@ -7,12 +7,9 @@ PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-# torch first, pinned to its CPU build, so nothing later pulls a multi-GB CUDA build (its small
-# dependencies come from PyPI with the next step). On a GPU machine pick the build you need,
-# e.g. TORCH_SPEC=torch==2.13.0 TORCH_INDEX=https://pypi.org/simple
-if [ "$(uname -s)" = Linux ]; then TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}; fi
-python -m pip install --quiet --no-deps "${TORCH_SPEC:-torch==2.13.0}" \
-    --extra-index-url "${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+# torch first, pinned, so nothing later pulls a multi-GB CUDA build (2.13.0 resolves to the CPU
+# wheel on the machines CI runs on). On a GPU machine name the build you need in TORCH_SPEC.
+python -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 python -m pip install --quiet -e '.[dev]'
 # The peers whose own readers the interop tests use; --no-deps because they pin other torch and
 # transformers versions and pull vLLM/SGLang-era stacks; their data modules' needs are in [dev].
