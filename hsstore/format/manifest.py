@@ -110,6 +110,11 @@ class Layout:
         shard_bytes: int = 64 << 20,
     ) -> Layout:
         """Rows per chunk: a power of two giving ~1 MiB chunks; ~64 MiB shards."""
+        sizes = {"num_layers": num_layers, "hidden_size": hidden_size, "itemsize": itemsize}
+        sizes |= {"chunk_bytes": chunk_bytes, "shard_bytes": shard_bytes}
+        for what, n in sizes.items():  # a zero or negative size would never end the loop below
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise FormatError(f"{what} must be a positive integer, got {n!r}")
         lpc = num_layers if layers_per_chunk is None else layers_per_chunk
         if lpc < 1 or num_layers % lpc:
             raise FormatError(f"layers_per_chunk={lpc} must divide the layer count {num_layers}")
