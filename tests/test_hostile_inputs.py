@@ -12,6 +12,7 @@ import json
 import os
 import resource
 import signal
+import struct
 import subprocess
 import sys
 import zipfile
@@ -272,7 +273,8 @@ def _flip_tensor_bit(path: Path) -> str:
     with zipfile.ZipFile(path) as zf:
         info = next(i for i in zf.infolist() if "/data/" in i.filename)
     raw = bytearray(path.read_bytes())
-    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26 : info.header_offset + 28], "little"), int.from_bytes(raw[info.header_offset + 28 : info.header_offset + 30], "little")  # fmt: skip
+    # The member's data follows its local header: 30 bytes, then its name and extra field.
+    name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
     raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x10
     path.write_bytes(bytes(raw))
     return info.filename

@@ -170,6 +170,8 @@ def open_regular(path: Path) -> BinaryIO:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise BadInputError("file is missing", path=name) from None
+    except OSError as exc:
+        raise BadInputError(f"cannot open it ({exc.strerror or exc})", path=name) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
