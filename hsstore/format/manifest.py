@@ -18,7 +18,7 @@ import torch
 
 from hsstore.codecs import CodecConfig
 from hsstore.errors import FormatError, SchemaError, UnsupportedVersionError
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import MAX_DEPTH, LayerSpec
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 1
@@ -262,6 +262,9 @@ class Manifest:
                 path=where,
             )
         validate(obj, where=where)
+        deepest = max((x["depth"] for x in obj["layers"]), default=0)
+        if deepest > MAX_DEPTH:  # the schema allows it; LayerSpec would raise a bare ValueError
+            raise FormatError(f"a layer depth of {deepest} is past {MAX_DEPTH}", path=where)
         man = cls(
             format_version=obj["format_version"],
             version=obj["version"],
