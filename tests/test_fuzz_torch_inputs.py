@@ -10,7 +10,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import struct
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -33,15 +35,18 @@ FUZZ = settings(
 )
 
 shapes = st.tuples(
-    st.integers(1, 6),  # tokens
-    st.integers(1, 8),  # hidden size
+    st.integers(1, 12),  # tokens
+    st.integers(1, 16),  # hidden size
     st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
     st.integers(0, 1000),  # seed
 )
 
-# One damage applied to the saved bytes: positions are taken modulo the file length.
+# One damage applied to the saved bytes: positions are taken modulo the file length, or, for
+# "member", modulo the stored bytes of one zip member (most of a small file is zip headers and
+# alignment padding, so damage aimed at random would rarely touch tensor data or the pickle).
 byte_damage = st.one_of(
     st.tuples(st.just("none")),
+    st.tuples(st.just("member"), st.integers(0, 2**31), st.integers(0, 2**31), st.integers(0, 7)),
     st.tuples(st.just("flip"), st.integers(0, 2**31), st.integers(0, 7)),
     st.tuples(st.just("truncate"), st.integers(0, 2**31)),
     st.tuples(st.just("overwrite"), st.integers(0, 2**31), st.binary(min_size=1, max_size=16)),
@@ -49,10 +54,26 @@ byte_damage = st.one_of(
 )
 
 
+def member_spans(raw: bytes) -> list[tuple[int, int]]:
+    """(start, size) of each zip member's stored bytes in a torch.save archive."""
+    spans = []
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        for info in zf.infolist():
+            name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)
+            spans.append((info.header_offset + 30 + name_len + extra_len, info.compress_size))
+    return [(start, size) for start, size in spans if size > 0]
+
+
 def damage(raw: bytes, how: tuple) -> bytes:
     kind, *args = how
     if kind == "none" or not raw:
         return raw
+    if kind == "member":
+        spans = member_spans(raw)
+        start, size = spans[args[0] % len(spans)]
+        out = bytearray(raw)
+        out[start + args[1] % size] ^= 1 << args[2]
+        return bytes(out)
     at = args[0] % len(raw)
     if kind == "flip":
         out = bytearray(raw)
@@ -191,8 +212,9 @@ def test_damaged_specforge_files_fail_cleanly_or_read_exactly(shape, how, gz, da
     raw = saved({k: v for k, v in rec.items() if k != "layers"})
     if gz:
         # Damage either the torch archive before compressing or the gzip stream itself.
-        raw = gzip.compress(damage(raw, how) if damage_inside else raw, compresslevel=1)
-        raw = raw if damage_inside else damage(raw, how)
+        inside = damage_inside or how[0] == "member"
+        raw = gzip.compress(damage(raw, how) if inside else raw, compresslevel=1)
+        raw = raw if inside else damage(raw, how)
     else:
         raw = damage(raw, how)
     with tempfile.TemporaryDirectory() as d:
