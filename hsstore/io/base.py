@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import gzip
 import io
+import mmap
 import os
 import pickle
 import re
 import stat
+import struct
 import zipfile
 import zlib
 from abc import ABC, abstractmethod
@@ -207,11 +209,13 @@ def load_torch_file(path: Path) -> Any:
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if path.name.endswith(".gz"):
-                payload = io.BytesIO(gunzip_bounded(f, inflate_limit(size), name))
-                check_zip_archive(payload, len(payload.getbuffer()), name)
-                payload.seek(0)
-                return torch.load(payload, weights_only=True, map_location="cpu")
-            check_zip_archive(f, size, name)
+                raw = gunzip_bounded(f, inflate_limit(size), name)
+                check_zip_archive(io.BytesIO(raw), raw, name)
+                return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            if size == 0:
+                raise BadInputError(_not_zip_reason(b"", 0), path=name)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                check_zip_archive(f, data, name)
         # The checked file is loaded by name (mmap needs one); a writer swapping the file in
         # between is outside what a reader of finished files defends against.
         return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
@@ -252,14 +256,16 @@ def gunzip_bounded(f: BinaryIO, limit: int, name: str) -> bytes:
     return bytes(out)
 
 
-def check_zip_archive(f: BinaryIO, size: int, name: str) -> None:
+def check_zip_archive(f: BinaryIO, data: bytes | mmap.mmap, name: str) -> None:
     """Check a torch.save zip before torch trusts it: bounded members, each matching its CRC-32.
 
+    ``f`` and ``data`` hold the same bytes: zipfile parses the directory from ``f``, the CRCs
+    of stored members (torch stores every member) are taken over ``data`` without a copy.
     torch itself never checks the CRCs, so one flipped bit in tensor data would load silently.
     """
+    size = len(data)
     if not zipfile.is_zipfile(f):
-        f.seek(0)
-        raise BadInputError(_not_zip_reason(f.read(4), size), path=name)
+        raise BadInputError(_not_zip_reason(bytes(data[:4]), size), path=name)
     with zipfile.ZipFile(f) as zf:
         infos = zf.infolist()
         declared = sum(info.file_size for info in infos)
@@ -269,25 +275,51 @@ def check_zip_archive(f: BinaryIO, size: int, name: str) -> None:
                 "file size; refused as a decompression bomb",
                 path=name,
             )
-        for info in infos:
-            if info.filename.endswith(".pkl") and info.file_size > PICKLE_MEMBER_LIMIT:
-                raise BadInputError(
-                    f"zip member {info.filename!r} is a {info.file_size}-byte pickle, more than "
-                    f"the {PICKLE_MEMBER_LIMIT >> 20} MiB a dict of tensors needs",
-                    path=name,
+        with memoryview(data) as view:
+            for info in infos:
+                if info.filename.endswith(".pkl") and info.file_size > PICKLE_MEMBER_LIMIT:
+                    raise BadInputError(
+                        f"zip member {info.filename!r} is a {info.file_size}-byte pickle, more "
+                        f"than the {PICKLE_MEMBER_LIMIT >> 20} MiB a dict of tensors needs",
+                        path=name,
+                    )
+                # CRC 0 means the writer recorded none (torch's
+                # torch.utils.serialization.config.save.compute_crc32 = False): nothing to check.
+                if info.CRC == 0:
+                    continue
+                problem = (
+                    _stored_crc_problem(view, info)
+                    if info.compress_type == zipfile.ZIP_STORED
+                    else _inflated_crc_problem(zf, info)
                 )
-            # CRC 0 on a non-empty member means the writer recorded none
-            # (torch.utils.serialization.config.save.compute_crc32 = False): nothing to check.
-            if info.CRC == 0:
-                continue
-            try:
-                with zf.open(info) as member:
-                    while member.read(_READ_BLOCK):
-                        pass
-            except (zipfile.BadZipFile, EOFError, zlib.error) as exc:
-                raise BadInputError(
-                    f"zip member {info.filename!r} is damaged ({exc})", path=name
-                ) from None
+                if problem:
+                    raise BadInputError(f"zip member {info.filename!r} {problem}", path=name)
+
+
+def _stored_crc_problem(view: memoryview, info: zipfile.ZipInfo) -> str | None:
+    """Why a stored member's bytes do not match its recorded CRC-32, or None."""
+    header = info.header_offset
+    if bytes(view[header : header + 4]) != b"PK\x03\x04" or header + 30 > len(view):
+        return "is damaged (its local header is missing)"
+    name_len, extra_len = struct.unpack_from("<HH", view, header + 26)
+    start = header + 30 + name_len + extra_len
+    end = start + info.compress_size
+    if end > len(view):
+        return "is damaged (it runs past the end of the file)"
+    if zlib.crc32(view[start:end]) != info.CRC:
+        return "is damaged (its bytes fail the CRC-32 the archive records)"
+    return None
+
+
+def _inflated_crc_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> str | None:
+    """The same for a compressed member, which zipfile inflates and checks as it reads."""
+    try:
+        with zf.open(info) as member:
+            while member.read(_READ_BLOCK):
+                pass
+    except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError) as exc:
+        return f"is damaged ({exc})"
+    return None
 
 
 def _not_zip_reason(head: bytes, size: int) -> str:
