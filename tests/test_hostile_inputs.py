@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch.utils import serialization
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.cli import main
 from hsstore.errors import BadInputError, FormatError
 from hsstore.format.manifest import Layout
 from hsstore.io.base import INFLATE_FLOOR_BYTES, load_torch_file
@@ -380,3 +382,15 @@ def test_a_full_disk_names_the_path_and_keeps_what_was_committed(tmp_path):
     for sid, hidden in before.items():
         assert torch.equal(back.get(sid).hidden.view(torch.int16), hidden.view(torch.int16))
     assert hsstore.verify(dst).ok
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--commit-every", "0"), ("--workers", "-3"), ("--commit-gb", "0")]
+)
+def test_convert_refuses_counts_below_one_as_a_usage_error(tmp_path, option, value):
+    src = v1_source(tmp_path, lengths=(3,))
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "ds"), option, value])
+    assert r.exit_code == 2, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert f"Invalid value for '{option}'" in r.output
+    assert not (tmp_path / "ds").exists()
