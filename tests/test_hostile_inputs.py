@@ -394,3 +394,15 @@ def test_convert_refuses_counts_below_one_as_a_usage_error(tmp_path, option, val
     assert r.exception is None or isinstance(r.exception, SystemExit)
     assert f"Invalid value for '{option}'" in r.output
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_full_disk_during_export_names_the_file(tmp_path):
+    src, ds, out = tmp_path / "v1", tmp_path / "ds", tmp_path / "out"
+    write_v1_dir(src, [300, 300], layer_ids=LAYER_IDS, hidden_size=256)
+    assert convert_cli(src, ds, timeout=60).returncode == 0
+    r = convert_cli(
+        ds, out, "--to", "speculators-v1", timeout=60, preexec_fn=_file_size_limit(64 << 10)
+    )
+    line = assert_one_error(r, "File too large")
+    assert line.startswith(f"error: {out}{os.sep}data_"), line
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]  # no partial file left

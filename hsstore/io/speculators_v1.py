@@ -291,8 +291,13 @@ def atomic_write(path: Path, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        # A failed write (a full disk) reaches us bare, or wrapped by torch.save in a
+        # RuntimeError; either way say which file could not be written.
+        failed = exc if isinstance(exc, OSError) else exc.__context__
+        if isinstance(failed, OSError) and failed.errno is not None:
+            raise OSError(failed.errno, failed.strerror, str(path)) from None
         raise
 
 
