@@ -26,7 +26,7 @@ from hsstore.errors import (
     NotADatasetError,
 )
 from hsstore.format import commit, paths, zarr_meta
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.manifest import (
     DTYPES,
     Layout,
@@ -40,6 +40,10 @@ from hsstore.format.store import LocalStorage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
+
+# The widest released models are ~25k wide; a hidden size past this is an error, refused before
+# it sizes chunks and buffers.
+MAX_HIDDEN_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,12 +76,35 @@ def create(
     exist_ok: bool = False,
 ) -> Dataset:
     """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one."""
-    specs = tuple(x if isinstance(x, LayerSpec) else LayerSpec.from_json(dict(x)) for x in layers)
-    if not specs:
-        raise BadInputError("a dataset needs at least one layer", path=str(path))
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
+        raise BadInputError(f"hidden_size must be an integer, got {hidden_size!r}", path=str(path))
+    if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
+        raise BadInputError(
+            f"hidden_size must be in 1..{MAX_HIDDEN_SIZE}, got {hidden_size}", path=str(path)
+        )
+    try:
+        specs = tuple(
+            x if isinstance(x, LayerSpec) else LayerSpec.from_json(dict(x)) for x in layers
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadInputError(f"bad layer spec: {exc}", path=str(path)) from None
     name = dtype_name(dtype)
     codec_cfg = codec if isinstance(codec, CodecConfig) else CodecConfig(name=codec)
     model_info = model if isinstance(model, ModelInfo) else ModelInfo.from_json(dict(model or {}))
+    n_layers = model_info.num_hidden_layers
+    if n_layers is not None and (
+        isinstance(n_layers, bool)
+        or not isinstance(n_layers, int)
+        or not 1 <= n_layers <= MAX_DEPTH
+    ):
+        raise BadInputError(
+            f"model num_hidden_layers must be an integer in 1..{MAX_DEPTH}, got {n_layers!r}",
+            path=str(path),
+        )
+    try:
+        check_layer_list(specs, n_layers)
+    except ValueError as exc:
+        raise BadInputError(str(exc), path=str(path)) from None
     if model_info.hidden_size is not None and model_info.hidden_size != hidden_size:
         raise BadInputError(
             f"model hidden_size {model_info.hidden_size} != hidden_size {hidden_size}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,30 @@ from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher
 
 if TYPE_CHECKING:  # the Dataset makes its writers (ds.writer()); a writer only uses its view
     from hsstore.dataset import Dataset
+# Sample ids and source names are stored as UTF-8 in every segment index; one that cannot be
+# encoded would fail every commit of the writer that accepted it, so add() refuses it.
+MAX_TEXT_BYTES = 4096
+
+
+def _text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored as a sample id or source name, or None."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return f"is not valid Unicode (lone surrogate at position {exc.start}), so not UTF-8"
+    if size > MAX_TEXT_BYTES:
+        return f"is {size} bytes of UTF-8, more than {MAX_TEXT_BYTES}"
+    return None
+
+
+def _shorten(text: str) -> str:
+    return repr(text) if len(text) <= 80 else repr(text[:80]) + "..."
+
+
+def _release_locks(locks: dict[str, commit.SegmentLock]) -> None:
+    for lock in locks.values():
+        lock.release()
+    locks.clear()
 
 
 class Writer:
@@ -54,6 +79,8 @@ class Writer:
         self._skipped: list[dict[str, str]] = []
         self._bytes_committed = 0
         self._closed = False
+        # A writer dropped without close() must not keep its segments locked until exit.
+        self._release_at_gc = weakref.finalize(self, _release_locks, self._locks)
 
     # -- adding ----------------------------------------------------------------------------
     def add(
@@ -67,9 +94,25 @@ class Writer:
     ) -> None:
         if self._closed:
             raise ConflictError("writer is closed", path=str(self.ds.path))
+        where = str(self.ds.path)
         if not isinstance(sample_id, str) or not sample_id:
             raise BadInputError(
-                f"sample id must be a non-empty string, got {sample_id!r}", path=source
+                f"sample id must be a non-empty string, got {sample_id!r}",
+                path=source if isinstance(source, str) else where,
+            )
+        problem = _text_problem(sample_id)
+        if problem:
+            raise BadInputError(f"sample id {_shorten(sample_id)} {problem}", path=where)
+        if source is not None and not isinstance(source, str):
+            raise BadInputError(
+                f"source must be a string or None, got {type(source).__name__}",
+                path=where,
+                sample_id=sample_id,
+            )
+        problem = _text_problem(source) if source is not None else None
+        if problem:
+            raise BadInputError(
+                f"source {_shorten(source)} {problem}", path=where, sample_id=sample_id
             )
         if sample_id in self._committed_ids or sample_id in self._new_ids:
             raise DuplicateSampleError(
@@ -221,9 +264,17 @@ class Writer:
         self._skipped.clear()
 
     def close(self) -> None:
+        """End the writer. Segments not committed by now stay unlocked on disk for gc to sweep.
+
+        They are not deleted here: after a commit that raised, whether they were published is
+        for gc to decide from the manifest, not for this writer to guess.
+        """
         if not self._closed:
             self._closed = True
-            self._flusher.close()
+            try:
+                self._flusher.close()
+            finally:
+                self._release_at_gc()
 
     def __enter__(self) -> Writer:
         return self

@@ -58,16 +58,24 @@ def _parse_ids(value: str | None) -> list[int] | None:
 @click.option("--num-hidden-layers", type=int, help="Decoder layers of the target model.")
 @click.option("--model", "model_name", help="Target model name to record in the manifest.")
 @click.option("--codec", help="Codec of a new dataset (default: the store's lossless default).")
-@click.option("--workers", type=int, help="Reader threads (default: one per core, at most 8).")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    help="Reader threads (default: one per core, at most 8).",
+)
 @click.option(
     "--commit-every",
-    type=int,
+    type=click.IntRange(min=1),
     default=1000,
     show_default=True,
     help="Commit after this many samples.",
 )
 @click.option(
-    "--commit-gb", type=float, default=1.0, show_default=True, help="...or this many GB of states."
+    "--commit-gb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="...or this many GB of states.",
 )
 @click.option(
     "--on-error",

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hsstore.errors import ConventionError  # with the other errors; importable from here too
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import MAX_DEPTH, LayerSpec
 
 HF = "hf"
 VLLM = "vllm"
@@ -59,9 +59,13 @@ def normalize_convention(name: str) -> str:
 
 
 def _check_n(num_hidden_layers: int) -> None:
-    if not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
+    if (
+        not isinstance(num_hidden_layers, int)
+        or isinstance(num_hidden_layers, bool)
+        or not 1 <= num_hidden_layers <= MAX_DEPTH
+    ):
         raise ConventionError(
-            f"num_hidden_layers must be a positive int, got {num_hidden_layers!r}"
+            f"num_hidden_layers must be an int in 1..{MAX_DEPTH}, got {num_hidden_layers!r}"
         )
 
 

@@ -7,7 +7,14 @@ Conventions of other frameworks map to and from this form in :mod:`hsstore.forma
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+# No released model has more than a few hundred decoder layers: a depth (or a layer count) past
+# this is a typo or an overflow, such as a layer id of 999999999999, refused before it sizes
+# anything.
+MAX_DEPTH = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -25,8 +32,10 @@ class LayerSpec:
     source_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.depth < 0:
-            raise ValueError(f"layer depth must be >= 0, got {self.depth}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, numbers.Integral):
+            raise ValueError(f"layer depth must be an integer, got {self.depth!r}")
+        if not 0 <= self.depth <= MAX_DEPTH:
+            raise ValueError(f"layer depth must be in 0..{MAX_DEPTH}, got {self.depth}")
 
     @property
     def label(self) -> str:
@@ -47,3 +56,23 @@ class LayerSpec:
             source_convention=src.get("convention"),
             source_id=src.get("id"),
         )
+
+
+def check_layer_list(layers: Sequence[LayerSpec], num_hidden_layers: int | None) -> None:
+    """The rule every stored layer list follows: non-empty, no state twice, inside the model.
+
+    Raises ValueError saying which layer breaks it.
+    """
+    if not layers:
+        raise ValueError("a dataset needs at least one layer")
+    first: dict[tuple[int, bool], int] = {}
+    for i, spec in enumerate(layers):
+        key = (spec.depth, spec.final_norm)
+        if key in first:
+            raise ValueError(f"layers {first[key]} and {i} are the same state ({spec.label})")
+        first[key] = i
+        if num_hidden_layers is not None and spec.depth > num_hidden_layers:
+            raise ValueError(
+                f"layer {i} has depth {spec.depth}, but the model has {num_hidden_layers} "
+                "decoder layers"
+            )

@@ -25,7 +25,7 @@ from hsstore.errors import (
     SchemaError,
     UnsupportedVersionError,
 )
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import MAX_DEPTH, LayerSpec
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 1
@@ -122,6 +122,11 @@ class Layout:
         shard_bytes: int = 64 << 20,
     ) -> Layout:
         """Rows per chunk: a power of two giving ~1 MiB chunks; ~64 MiB shards."""
+        sizes = {"num_layers": num_layers, "hidden_size": hidden_size, "itemsize": itemsize}
+        sizes |= {"chunk_bytes": chunk_bytes, "shard_bytes": shard_bytes}
+        for what, n in sizes.items():  # a zero or negative size would never end the loop below
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise FormatError(f"{what} must be a positive integer, got {n!r}")
         lpc = num_layers if layers_per_chunk is None else layers_per_chunk
         if lpc < 1 or num_layers % lpc:
             raise FormatError(f"layers_per_chunk={lpc} must divide the layer count {num_layers}")
@@ -309,6 +314,9 @@ class Manifest:
                 path=where,
             )
         validate(obj, where=where)
+        deepest = max((x["depth"] for x in obj["layers"]), default=0)
+        if deepest > MAX_DEPTH:  # the schema allows it; LayerSpec would raise a bare ValueError
+            raise FormatError(f"a layer depth of {deepest} is past {MAX_DEPTH}", path=where)
         man = cls(
             format_version=obj["format_version"],
             version=obj["version"],

@@ -165,7 +165,7 @@ class LocalStorage(Storage):
         path = self._abs(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         size = 0
-        with open(path, "xb") as f:
+        with _naming(path), open(path, "xb") as f:
             for piece in pieces:
                 f.write(piece)
                 size += len(piece)
@@ -177,7 +177,8 @@ class LocalStorage(Storage):
             path = self._abs(key)
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                with _naming(path):
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             dirs.add(os.path.dirname(path))
@@ -189,7 +190,7 @@ class LocalStorage(Storage):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}")
-        with open(tmp, "xb") as f:
+        with _naming(path), open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -240,6 +241,21 @@ class LocalStorage(Storage):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Make an OSError raised while writing ``path`` name it.
+
+    A full disk raises ENOSPC from write() or fsync() with no file name, which would leave the
+    user with a bare "No space left on device".
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = path
+        raise
 
 
 def _fsync_dir(path: str) -> None:

@@ -107,16 +107,22 @@ class SpecForgeReader(ForeignReader):
         }
 
     def _probe(self) -> tuple[int, torch.dtype]:
+        empty = None  # why no file could tell, named in the error
         for p in self._files:
             try:
                 obj = load_torch_file(p)
-            except BadInputError:
+            except BadInputError as exc:
+                empty = empty or f"; {exc}"
                 continue
             h = obj.get("hidden_state") if isinstance(obj, dict) else None
             if isinstance(h, torch.Tensor) and h.dim() >= 2 and h.dtype.is_floating_point:
+                if h.shape[-1] == 0:
+                    empty = empty or f"; {p}: hidden states of width 0"
+                    continue
                 return int(h.shape[-1]), h.dtype
         raise BadInputError(
-            "no readable data file to learn hidden size and dtype from", path=str(self.path)
+            f"no readable data file to learn hidden size and dtype from{empty or ''}",
+            path=str(self.path),
         )
 
     def __len__(self) -> int:

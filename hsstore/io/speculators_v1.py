@@ -45,6 +45,7 @@ from hsstore.io.base import (  # noqa: F401 (atomic_write, write_json: this modu
     dtype_name,
     file_index,
     load_torch_file,
+    open_regular,
     require_dir,
     require_keys,
     stack_layers,
@@ -67,11 +68,24 @@ def list_data_files(root: Path) -> list[Path]:
     )
 
 
+# data_config.json and sample_lengths.json are a few KiB (one entry per sample for the lengths).
+JSON_LIMIT_BYTES = 256 << 20
+
+
 def read_json(path: Path) -> Any:
+    """A small JSON side file: a regular file of bounded size and nesting, or BadInputError."""
+    with open_regular(path) as f:
+        raw = f.read(JSON_LIMIT_BYTES + 1)
+    if len(raw) > JSON_LIMIT_BYTES:
+        raise BadInputError(
+            f"larger than {JSON_LIMIT_BYTES >> 20} MiB, too large for a side file", path=str(path)
+        )
     try:
-        return json.loads(path.read_text())
+        return json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadInputError(f"not valid JSON ({exc})", path=str(path)) from None
+    except RecursionError:
+        raise BadInputError("not valid JSON (nested too deeply)", path=str(path)) from None
 
 
 class SpeculatorsV1Reader(ForeignReader):
@@ -103,13 +117,14 @@ class SpeculatorsV1Reader(ForeignReader):
         except ConventionError as exc:
             raise BadInputError(str(exc), path=str(self.path)) from None
         self.hidden_size, self.dtype = self._probe()
-        cfg_h = (self.config or {}).get("model", {}).get("hidden_size")
-        if cfg_h is not None and int(cfg_h) != self.hidden_size:
+        model_cfg = self._config_model()
+        cfg_h = model_cfg.get("hidden_size")
+        if cfg_h is not None and cfg_h != self.hidden_size:
             raise BadInputError(
                 f"data_config.json says hidden_size {cfg_h} but the files hold {self.hidden_size}",
                 path=str(self.path / CONFIG_FILE),
             )
-        name = (self.config or {}).get("model", {}).get("target_model_path")
+        name = model_cfg.get("target_model_path")
         self.model = {"name": name, "num_hidden_layers": n, "hidden_size": self.hidden_size}
 
     # -- metadata ------------------------------------------------------------------------------
@@ -123,6 +138,26 @@ class SpeculatorsV1Reader(ForeignReader):
             raise BadInputError("expected a JSON object", path=str(p))
         return cfg
 
+    def _config_model(self) -> dict:
+        """data_config.json's ``model`` section, its fields checked for the types we use."""
+        where = str(self.path / CONFIG_FILE)
+        model = (self.config or {}).get("model") or {}
+        if not isinstance(model, dict):
+            raise BadInputError(
+                f"model is a {type(model).__name__}, expected an object", path=where
+            )
+        h = model.get("hidden_size")
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h < 1):
+            raise BadInputError(
+                f"model.hidden_size is {h!r}, expected a positive integer", path=where
+            )
+        name = model.get("target_model_path")
+        if name is not None and not isinstance(name, str):
+            raise BadInputError(
+                f"model.target_model_path is {name!r}, expected a string", path=where
+            )
+        return model
+
     def _load_lengths(self) -> dict[str, int] | None:
         p = self.path / LENGTHS_FILE
         if not p.exists():
@@ -135,8 +170,11 @@ class SpeculatorsV1Reader(ForeignReader):
     def _layer_ids(self, given: Sequence[int] | None) -> list[int]:
         cfg_ids = None
         if self.config is not None:
-            cfg_ids = (self.config.get("hidden_states") or {}).get("layer_ids")
-            if not isinstance(cfg_ids, list) or not all(isinstance(v, int) for v in cfg_ids):
+            section = self.config.get("hidden_states") or {}
+            cfg_ids = section.get("layer_ids") if isinstance(section, dict) else None
+            if not isinstance(cfg_ids, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in cfg_ids
+            ):
                 raise BadInputError(
                     "data_config.json has no integer list hidden_states.layer_ids",
                     path=str(self.path / CONFIG_FILE),
@@ -162,10 +200,12 @@ class SpeculatorsV1Reader(ForeignReader):
 
     def _probe(self) -> tuple[int, torch.dtype]:
         """Hidden size and dtype from the first file that loads (files may be bad; read() says)."""
+        empty = None  # why no file could tell, named in the error
         for p in self._files:
             try:
                 obj = load_torch_file(p)
-            except BadInputError:
+            except BadInputError as exc:
+                empty = empty or f"; {exc}"
                 continue
             hs = obj.get("hidden_states") if isinstance(obj, dict) else None
             if (
@@ -175,10 +215,13 @@ class SpeculatorsV1Reader(ForeignReader):
                 and hs[0].dim() == 2
             ):
                 dtype = hs[0].dtype
-                if dtype.is_floating_point:
+                if dtype.is_floating_point and hs[0].shape[1] == 0:
+                    empty = empty or f"; {p}: hidden states of width 0"
+                elif dtype.is_floating_point:
                     return int(hs[0].shape[1]), dtype
         raise BadInputError(
-            "no readable data_{i}.pt file to learn hidden size and dtype from", path=str(self.path)
+            f"no readable data_{{i}}.pt file to learn hidden size and dtype from{empty or ''}",
+            path=str(self.path),
         )
 
     # -- samples -------------------------------------------------------------------------------
