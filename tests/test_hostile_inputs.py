@@ -231,6 +231,14 @@ def test_a_bad_hidden_size_in_data_config_is_one_line(tmp_path, value):
         assert_one_error(r, str(src / "data_config.json"), "model.hidden_size is 'abc'")
 
 
+def test_a_length_that_is_not_a_count_is_one_line(tmp_path):
+    src = v1_source(tmp_path, lengths=(3,))
+    (src / "sample_lengths.json").write_text(json.dumps({"0": "3"}))
+    with pytest.raises(BadInputError, match="length of sample '0' is '3'") as err:
+        SpeculatorsV1Reader(src)
+    assert str(src / "sample_lengths.json") in str(err.value)
+
+
 def test_a_deeply_nested_data_config_is_one_line(tmp_path):
     src = v1_source(tmp_path, lengths=(3,))
     (src / "data_config.json").write_text("[" * 100_000 + "]" * 100_000)

@@ -165,6 +165,11 @@ class SpeculatorsV1Reader(ForeignReader):
         obj = read_json(p)
         if not isinstance(obj, dict):
             raise BadInputError('expected a JSON object {"i": T, ...}', path=str(p))
+        for k, v in obj.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise BadInputError(
+                    f"length of sample {k!r} is {v!r}, expected a token count", path=str(p)
+                )
         return {str(k): v for k, v in obj.items()}
 
     def _layer_ids(self, given: Sequence[int] | None) -> list[int]:
