@@ -16,7 +16,8 @@ from hsstore.dataset import Dataset, storage_view
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
 from hsstore.format import commit, paths
 from hsstore.format.manifest import Manifest, SegmentInfo
-from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher
+from hsstore.segment import SegmentReader
+from hsstore.segment_writer import SegmentWriter, ShardFlusher
 
 
 class Writer:
@@ -189,7 +190,7 @@ class Writer:
             )
 
         try:
-            published = commit.publish(self.storage, build_next)
+            published = commit.publish(self.storage, build_next, base=self.manifest)
         except ConflictError:
             self.abort()
             raise
@@ -202,7 +203,7 @@ class Writer:
         self._finished.clear()
         self._skipped.clear()
         self.manifest = published
-        self.ds.refresh()
+        self.ds.refresh(to=published)
         return published
 
     def abort(self) -> None:
