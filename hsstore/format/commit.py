@@ -180,6 +180,12 @@ def _catch_up(storage: Storage, latest: Manifest) -> Manifest:
             # The hint is written only after its version, and versions are contiguous: a hint
             # above us with our successor absent means published versions were deleted.
             check_not_rolled_back(storage, latest.version)
+            if not storage.exists(paths.manifest_key(latest.version)):
+                raise IntegrityError(
+                    f"version {latest.version}, which this commit extends, was deleted: the "
+                    f"newest versions were deleted or rolled back (restore them)",
+                    path=storage.root,
+                )
             return latest
         doc = load_document(data, where=storage.path_of(key))
         if isinstance(doc, Manifest):  # a full manifest, e.g. from a format 1 writer

@@ -359,6 +359,7 @@ class Manifest:
             )
         except ValueError as exc:  # a LayerSpec or codec the dataclasses refuse
             raise FormatError(str(exc), path=where) from exc
+        _check_unique_segments((), man.segments, where=where)
         if obj["storage_dtype"] != STORAGE_DTYPE_NAMES[man.dtype]:
             raise FormatError(
                 f"storage_dtype {obj['storage_dtype']} does not match dtype {man.dtype}", path=where
@@ -387,7 +388,6 @@ class Manifest:
                     f"layers[{k}].depth {layer.depth} exceeds model.num_hidden_layers {top}",
                     path=where,
                 )
-        _check_unique_segments((), man.segments, where=where)
         return man
 
 
