@@ -185,7 +185,7 @@ def _catch_up(storage: Storage, latest: Manifest) -> Manifest:
                     f"version {latest.version}, which this commit extends, was deleted: the "
                     f"newest versions were deleted or rolled back (restore them)",
                     path=storage.root,
-                )
+                ) from None
             return latest
         doc = load_document(data, where=storage.path_of(key))
         if isinstance(doc, Manifest):  # a full manifest, e.g. from a format 1 writer
