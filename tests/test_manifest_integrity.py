@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format.manifest import content_checksum
+from hsstore.format.manifest import seal_document
 from hsstore.loader import Loader
 from tools.synthetic import random_sample
 
@@ -51,8 +51,9 @@ def _rewrite_as_format_1(path: Path) -> dict:
 
 def _write_doc(file: Path, obj: dict, *, reseal: bool = False) -> None:
     if reseal:  # a hand edit that also recomputes the checksum
-        obj["checksum"] = content_checksum(obj)
-    file.write_text(json.dumps(obj, indent=1))
+        file.write_bytes(seal_document(obj))
+    else:
+        file.write_text(json.dumps(obj, indent=1))
 
 
 def _edit(path: Path, name: str, change, *, reseal: bool = False) -> Path:

@@ -64,6 +64,9 @@ def load_manifest(storage: Storage, version: int | None = None) -> Manifest:
     if man is None:
         if not base:
             raise FormatError("version 1 is not a full manifest", path=storage.root)
+        if not storage.exists(paths.checkpoint_key(base)):
+            # Pruned since we listed (a newer one replaced it): fold from the listing again.
+            return load_manifest(storage, version)
         man = read_checkpoint(storage, base)
     for delta in reversed(deltas):
         man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
@@ -133,6 +136,9 @@ def _announce(storage: Storage, published: Manifest) -> None:
         storage.put_if_absent(paths.LATEST_HINT, f"{published.version}\n".encode())
     if published.version % CHECKPOINT_EVERY == 0:
         write_checkpoint(storage, published)
+        # Checkpoints are redundant (the deltas hold the same facts): keep the newest two, so
+        # manifests stay O(segments) on disk; an older version folds from an older base.
+        storage.delete(paths.checkpoint_key(published.version - 2 * CHECKPOINT_EVERY))
 
 
 def write_checkpoint(storage: Storage, man: Manifest) -> None:

@@ -2,8 +2,9 @@
 
 A version file is either a full manifest (``Manifest``: version 1 and every checkpoint) or a
 delta (``Delta``: the segments one commit adds). Every one hsstore writes or reads is validated
-against ``schemas/manifest.schema.json`` and carries an XXH3-64 checksum of its canonical JSON,
-checked on every load, so an edited byte is refused instead of decoded into wrong numbers.
+against ``schemas/manifest.schema.json`` (`hsstore.format.schema`) and carries an XXH3-64
+checksum of its canonical JSON, checked on every load, so an edited byte is refused instead of
+decoded into wrong numbers.
 A manifest from a newer format version is refused instead of misread.
 """
 
@@ -11,9 +12,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,10 @@ import torch
 import xxhash
 
 from hsstore.codecs import CodecConfig
-from hsstore.errors import FormatError, IntegrityError, SchemaError, UnsupportedVersionError
+from hsstore.errors import FormatError, IntegrityError, UnsupportedVersionError
 from hsstore.format import paths
 from hsstore.format.layers import LayerSpec
+from hsstore.format.schema import validate
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2
@@ -44,8 +45,6 @@ DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 STORAGE_DTYPE_NAMES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 COLUMN_DTYPES = {"input_ids": "int32", "loss_mask": "uint8"}
-
-_SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "manifest.schema.json"
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -444,17 +443,32 @@ def _check_unique_segments(
         seen.add(seg.id)
 
 
-def content_checksum(obj: dict[str, Any]) -> str:
-    """XXH3-64 (hex) of the canonical JSON of a manifest document without its checksum field."""
+_CHECKSUM_TAIL = re.compile(rb'^,"checksum":"([0-9a-f]{16})"\}$')
+_TAIL_LEN = len(',"checksum":"') + 16 + len('"}')
+
+
+def seal_document(obj: dict[str, Any]) -> bytes:
+    """The bytes of a version file: the canonical JSON of ``obj`` without ``checksum`` (sorted
+    keys, no whitespace, ASCII), with ``"checksum"`` = XXH3-64 (hex) of those bytes inserted
+    as its last member. Checking it needs no re-serialization."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return xxhash.xxh3_64_hexdigest(canonical.encode())
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    digest = xxhash.xxh3_64_hexdigest(canonical)
+    return canonical[:-1] + b',"checksum":"' + digest.encode() + b'"}\n'
+
+
+def _checksum_matches(data: bytes, stored: str) -> bool:
+    text = data.rstrip(b"\n")
+    tail = _CHECKSUM_TAIL.match(text[-_TAIL_LEN:])
+    if tail is None or tail.group(1).decode() != stored:
+        return False  # not in sealed form: edited (or re-formatted) by hand
+    return xxhash.xxh3_64_hexdigest(text[:-_TAIL_LEN] + b"}") == stored
 
 
 def _seal(obj: dict[str, Any], *, where: str) -> bytes:
-    obj["checksum"] = content_checksum(obj)
+    obj.pop("checksum", None)
     validate(obj, where=where)
-    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+    return seal_document(obj)
 
 
 def load_document(data: bytes, *, where: str) -> Manifest | Delta:
@@ -474,12 +488,16 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
             f"{FORMAT_VERSION}. Upgrade hsstore to read it.",
             path=where,
         )
-    _check_nesting(obj, where=where)
-    validate(obj, where=where)
+    for free_form in ("provenance", "tokenizer"):  # the schema bounds the depth of the rest
+        _check_nesting(obj.get(free_form), where=where)
+    try:
+        validate(obj, where=where)
+    except RecursionError as exc:  # a deep value quoted in a schema message
+        raise FormatError("manifest is nested too deeply", path=where) from exc
     stored = obj.get("checksum")
     if obj["format_version"] >= 2 and stored is None:
         raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
-    if stored is not None and stored != content_checksum(obj):
+    if stored is not None and not _checksum_matches(data, stored):
         raise IntegrityError(
             "manifest checksum mismatch: the file was edited or damaged after it was written",
             path=where,
@@ -500,28 +518,3 @@ def _check_nesting(obj: Any, *, where: str) -> None:
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
-
-
-@lru_cache(maxsize=1)
-def schema() -> dict[str, Any]:
-    return json.loads(_SCHEMA_PATH.read_text())
-
-
-@lru_cache(maxsize=1)
-def _validator() -> Any:
-    import jsonschema
-
-    # JSON Schema's "integer" admits 64.0 and 1e300; a size or count must be a JSON integer.
-    base = jsonschema.Draft202012Validator
-    strict_ints = base.TYPE_CHECKER.redefine("integer", lambda _, x: type(x) is int)
-    return jsonschema.validators.extend(base, type_checker=strict_ints)(schema())
-
-
-def validate(obj: Any, *, where: str) -> None:
-    """Raise SchemaError naming the first violation (JSON path and message)."""
-    errors = sorted(_validator().iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise SchemaError(f"schema violation at {loc}: {err.message}{more}", path=where)
