@@ -198,3 +198,29 @@ def _critical_nudges(doc: dict) -> Iterator[dict]:
                 mutated = copy.deepcopy(doc)
                 _get(mutated, path[:-1])[path[-1]] += step
                 yield mutated
+
+
+def _segment_entry() -> dict:
+    files = {"index.parquet": {"size": 2505, "crc32c": 4000305987}, "states/c/0/0/0": {"size": 9}}
+    return {"id": "a" * 32, "num_samples": 2, "num_tokens": 40, "num_shards": 1,
+            "committed_at": "2026-01-01T00:00:00.000+00:00", "files": files}  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(mutated=mutations(_segment_entry()))
+def test_fast_segment_check_agrees_with_the_schema(mutated):
+    """The straight-line segment check is the schema's $defs/segment, rule for rule."""
+    import jsonschema
+
+    from hsstore.format import schema
+
+    root = schema.schema()
+    rules = {**root["$defs"]["segment"], "$defs": root["$defs"]}
+    strict = jsonschema.validators.extend(
+        jsonschema.Draft202012Validator,
+        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+            "integer", lambda _, x: type(x) is int
+        ),
+    )(rules)
+    assert schema._check_segment(_segment_entry()) is None
+    assert (schema._check_segment(mutated) is None) == strict.is_valid(mutated), mutated

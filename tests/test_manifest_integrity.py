@@ -278,19 +278,23 @@ def test_damaged_metadata_file_does_not_mark_readable_samples_bad(tmp_path, relp
 
 
 def test_damaged_index_names_the_sample_ids_it_affects(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     ds = _build(tmp_path / "ds", commits=1)
     file = _segment_dir(ds) / "index.parquet"
     file.chmod(0o644)
     data = bytearray(file.read_bytes())
-    # Damage the footer's key-value metadata area only: the crc32c fails, the ids still decode.
-    data[-20] ^= 0x01
+    # Damage the checksum column's data: the file's crc32c fails, the sample ids still decode.
+    column = pq.ParquetFile(pa.BufferReader(bytes(data))).metadata.row_group(0).column(4)
+    assert column.path_in_schema == "checksum"
+    data[column.data_page_offset + column.total_compressed_size // 2] ^= 0x01
     file.write_bytes(bytes(data))
     report = hsstore.verify(tmp_path / "ds")
     index_problems = [p for p in report.problems if p.where == str(file)]
-    assert len(index_problems) == 1
-    named = index_problems[0].sample_ids
-    assert set(named) <= set(ds.sample_ids)
-    assert named == ds.sample_ids or "none can be named" in index_problems[0].reason
+    assert len(index_problems) == 1 and "crc32c" in index_problems[0].reason
+    assert index_problems[0].sample_ids == ds.sample_ids
+    assert set(report.bad_samples) == set(ds.sample_ids)
 
 
 def test_verify_reports_a_missing_middle_version(tmp_path):
