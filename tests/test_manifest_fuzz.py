@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import hsstore
 from hsstore import HsstoreError, LayerSpec
-from hsstore.format.manifest import seal_document
+from hsstore.format.sealing import seal_document
 from tools.synthetic import random_sample
 
 H = 16

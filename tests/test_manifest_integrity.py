@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format.manifest import seal_document
+from hsstore.format.sealing import seal_document
 from hsstore.loader import Loader
 from tools.synthetic import random_sample
 

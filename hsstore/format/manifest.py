@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from hsstore.codecs import CodecConfig
 from hsstore.errors import FormatError, IntegrityError, UnsupportedVersionError
 from hsstore.format import paths
 from hsstore.format.layers import LayerSpec
 from hsstore.format.schema import validate
+from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 2
@@ -443,28 +442,6 @@ def _check_unique_segments(
         seen.add(seg.id)
 
 
-_CHECKSUM_TAIL = re.compile(rb'^,"checksum":"([0-9a-f]{16})"\}$')
-_TAIL_LEN = len(',"checksum":"') + 16 + len('"}')
-
-
-def seal_document(obj: dict[str, Any]) -> bytes:
-    """The bytes of a version file: the canonical JSON of ``obj`` without ``checksum`` (sorted
-    keys, no whitespace, ASCII), with ``"checksum"`` = XXH3-64 (hex) of those bytes inserted
-    as its last member. Checking it needs no re-serialization."""
-    body = {k: v for k, v in obj.items() if k != "checksum"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-    digest = xxhash.xxh3_64_hexdigest(canonical)
-    return canonical[:-1] + b',"checksum":"' + digest.encode() + b'"}\n'
-
-
-def _checksum_matches(data: bytes, stored: str) -> bool:
-    text = data.rstrip(b"\n")
-    tail = _CHECKSUM_TAIL.match(text[-_TAIL_LEN:])
-    if tail is None or tail.group(1).decode() != stored:
-        return False  # not in sealed form: edited (or re-formatted) by hand
-    return xxhash.xxh3_64_hexdigest(text[:-_TAIL_LEN] + b"}") == stored
-
-
 def _seal(obj: dict[str, Any], *, where: str) -> bytes:
     obj.pop("checksum", None)
     validate(obj, where=where)
@@ -497,7 +474,7 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
     stored = obj.get("checksum")
     if obj["format_version"] >= 2 and stored is None:
         raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
-    if stored is not None and not _checksum_matches(data, stored):
+    if stored is not None and not checksum_matches(data, stored):
         raise IntegrityError(
             "manifest checksum mismatch: the file was edited or damaged after it was written",
             path=where,
