@@ -228,8 +228,13 @@ class Dataset:
         return self._index.table
 
     def refresh(self, *, to: Manifest | None = None) -> Dataset:
-        """Move to the latest committed version (or to ``to``, a version a writer published)."""
-        latest = to if to is not None else commit.load_manifest(self.storage)
+        """Move to the latest committed version; with ``to`` (a version a writer just
+        published, so no manifest is read), move forward to it."""
+        if to is not None:
+            if to.version > self.manifest.version:
+                self._load(to)
+            return self
+        latest = commit.load_manifest(self.storage)
         if latest.version != self.manifest.version:
             self._load(latest)
         return self
