@@ -4,8 +4,9 @@ A commit is optimistic: read the latest version N, build N+1 from it, and create
 ``manifests/v{N+1}.json`` (a delta: the segments it adds) with put-if-absent. If another
 writer got there first, read its delta and try again. Every CHECKPOINT_EVERY versions the
 folded state is also written as a checkpoint, and a hint names the newest version announced.
-Published manifests are never rewritten, so a reader holding version N keeps a consistent view, and a writer killed at any point leaves at most unreferenced files (debris),
-which readers never look at and `gc` removes.
+Published manifests are never rewritten, so a reader holding version N keeps a consistent
+view, and a writer killed at any point leaves at most unreferenced files (debris), which
+readers never look at and `gc` removes.
 """
 
 from __future__ import annotations
