@@ -121,6 +121,10 @@ def verify(
         report.problems.append(Problem("file", exc.path or str(path), exc.message))
         report.seconds = time.perf_counter() - t0
         return report
+    except OSError as exc:
+        report.problems.append(Problem("file", str(exc.filename or path), f"cannot read ({exc})"))
+        report.seconds = time.perf_counter() - t0
+        return report
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
     sample_bytes = ds.manifest.num_layers * ds.hidden_size * ds.manifest.storage_dtype.itemsize
@@ -241,9 +245,9 @@ def _check_segment_files(
         try:
             reader.read_small(relpath)
             tick(info.size)
-        except HsstoreError as exc:
+        except (HsstoreError, OSError) as exc:
             sample_ids: list[str] = []
-            reason = exc.message
+            reason = exc.message if isinstance(exc, HsstoreError) else f"cannot read ({exc})"
             if relpath == paths.INDEX:
                 sample_ids = reader.salvage_sample_ids()
                 reason += (
@@ -259,7 +263,7 @@ def _row_mapper(reader: SegmentReader) -> tuple[Callable[[int, int], list[str]],
     """Sample ids of one segment whose rows overlap [lo, hi), and whether its index reads."""
     try:
         index = reader.index()
-    except HsstoreError:
+    except (HsstoreError, OSError):
         return (lambda lo, hi: []), False
     starts = index.column("row_offset").to_numpy()
     ends = starts + index.column("num_tokens").to_numpy()

@@ -251,6 +251,9 @@ class SegmentReader:
         except IntegrityError as exc:
             report.error = exc.message
             return report
+        except OSError as exc:  # unreadable (permissions, I/O error): damage all the same
+            report.error = f"cannot read shard ({exc.strerror or exc})"
+            return report
         rpc = layout.rows_per_chunk
         for local in range(layout.chunks_per_shard):
             c = shard * layout.chunks_per_shard + local
