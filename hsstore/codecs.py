@@ -24,6 +24,8 @@ from hsstore.errors import FormatError, IntegrityError
 _blosc.use_threads = False
 
 CODEC_NAMES = ("blosc-zstd", "blosc-lz4", "none")
+# Blosc 1 frame header: version, versionlz, flags, typesize, nbytes (decoded), blocksize, cbytes.
+_BLOSC_HEADER = struct.Struct("<BBBBIII")
 _SHUFFLE_IDS = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 
 
@@ -120,19 +122,34 @@ class ChunkCodec:
             body = raw
         return [body, struct.pack("<I", crc32c(body))]
 
-    def decode_into(self, encoded: memoryview, out: memoryview, *, what: str) -> None:
-        """Check the crc32c of ``encoded`` and decode it into ``out`` (exactly the chunk's size)."""
+    def check(self, encoded: memoryview, nbytes: int, *, what: str) -> memoryview:
+        """Check the crc32c of ``encoded`` and that it decodes to exactly ``nbytes`` (the size
+        the manifest's layout implies), without decoding it; returns the body."""
         body = check_crc(encoded, what=what)
+        if self.config.compressed:
+            if len(body) < _BLOSC_HEADER.size:
+                raise IntegrityError("chunk is shorter than a blosc header", path=what)
+            _, _, _, _, decoded, _, _ = _BLOSC_HEADER.unpack_from(body)
+        else:
+            decoded = len(body)
+        if decoded != nbytes:
+            # A layout edited in the manifest (rows_per_chunk, hidden_size) must never turn
+            # chunks into wrong numbers.
+            raise IntegrityError(
+                f"chunk decodes to {decoded} bytes, the manifest's layout expects {nbytes}",
+                path=what,
+            )
+        return body
+
+    def decode_into(self, encoded: memoryview, out: memoryview, *, what: str) -> None:
+        """Check ``encoded`` (crc32c, decoded size = ``len(out)``) and decode it into ``out``."""
+        body = self.check(encoded, len(out), what=what)
         if self.config.compressed:
             try:
                 _blosc.decompress(body, out)
             except Exception as exc:  # blosc reports corruption as assorted errors
                 raise IntegrityError(f"chunk does not decode: {exc}", path=what) from exc
         else:
-            if len(body) != len(out):
-                raise IntegrityError(
-                    f"chunk holds {len(body)} bytes, expected {len(out)}", path=what
-                )
             out[:] = body
 
 

@@ -201,48 +201,48 @@ class Dataset:
         )
 
     def _load(self, manifest: Manifest) -> None:
-        # Segments are immutable: on refresh, keep the readers (and their decoded indexes and
-        # caches) of segments already loaded, so following a growing dataset costs only the
-        # new segments.
-        known = {
-            r.info.id: (r, t)
-            for r, t in zip(getattr(self, "_readers", []), getattr(self, "_tables", []))
-        }
+        # Segments are immutable and a newer version only appends to an older one: on
+        # refresh, keep the readers (and their decoded indexes and caches) of segments already
+        # loaded and read only the new ones; the joined index is rebuilt when next used.
+        readers: list[SegmentReader] = getattr(self, "_readers", [])
+        tables: list[pa.Table] = getattr(self, "_tables", [])
+        n = len(readers)
+        if [s.id for s in manifest.segments[:n]] != [r.info.id for r in readers]:
+            readers, tables, n = [], [], 0
         self.manifest = manifest
-        self._readers, self._tables = [], []
-        for info in manifest.segments:
-            reader, table = known.get(info.id, (None, None))
-            if reader is None or table is None:
-                reader = SegmentReader(self.storage, manifest, info)
-                table = reader.index()
-                if table.num_rows != info.num_samples:
-                    raise IntegrityError(
-                        f"index has {table.num_rows} rows, manifest says {info.num_samples}",
-                        path=reader.where(paths.INDEX),
-                    )
+        self._readers, self._tables = readers[:n], tables[:n]
+        for info in manifest.segments[n:]:
+            reader = SegmentReader(self.storage, manifest, info)
+            table = reader.index()
+            if table.num_rows != info.num_samples:
+                raise IntegrityError(
+                    f"index has {table.num_rows} rows, manifest says {info.num_samples}",
+                    path=reader.where(paths.INDEX),
+                )
             self._readers.append(reader)
             self._tables.append(table)
-        tables = [
-            t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32)))
-            for k, t in enumerate(self._tables)
-        ]
-        if tables:
-            self.index: pa.Table = pa.concat_tables(tables)
-        else:
-            from hsstore.segment import INDEX_SCHEMA
-
-            self.index = INDEX_SCHEMA.empty_table().append_column(
-                "segment", pa.array([], pa.int32())
-            )
-        self._segment = self.index.column("segment").to_numpy()
-        self._row = self.index.column("row_offset").to_numpy()
-        self._len = self.index.column("num_tokens").to_numpy()
-        self._checksum = self.index.column("checksum").to_numpy()
+        self._joined: _JoinedIndex | None = None
         self._ids: list[str] | None = None
         self._pos: dict[str, int] | None = None
 
-    def refresh(self) -> Dataset:
-        """Move to the latest committed version."""
+    @property
+    def _index(self) -> _JoinedIndex:
+        if self._joined is None:
+            self._joined = _JoinedIndex(self._tables)
+        return self._joined
+
+    @property
+    def index(self) -> pa.Table:
+        """One row per sample (the segments' index.parquet rows) plus its ``segment`` number."""
+        return self._index.table
+
+    def refresh(self, *, to: Manifest | None = None) -> Dataset:
+        """Move to the latest committed version; with ``to`` (a version a writer just
+        published, so no manifest is read), move forward to it."""
+        if to is not None:
+            if to.version > self.manifest.version:
+                self._load(to)
+            return self
         latest = commit.load_manifest(self.storage)
         if latest.version != self.manifest.version:
             self._load(latest)
@@ -289,7 +289,7 @@ class Dataset:
         return self._pos[sample_id]
 
     def num_tokens_of(self, i: int) -> int:
-        return int(self._len[i])
+        return int(self._index.len[i])
 
     def layer_stats(self) -> list[LayerStats]:
         """Per-layer statistics recorded at write time, merged over every segment."""
@@ -299,7 +299,7 @@ class Dataset:
         return self._readers[segment]
 
     def __len__(self) -> int:
-        return int(self._len.shape[0])
+        return self._index.num_samples
 
     def __contains__(self, sample_id: object) -> bool:
         try:
@@ -350,8 +350,8 @@ class Dataset:
         (building a vocabulary, counting loss tokens) costs a few bytes per token.
         """
         i = self._check_position(i)
-        reader = self._readers[self._segment[i]]
-        row, n = int(self._row[i]), int(self._len[i])
+        reader = self._readers[self._index.segment[i]]
+        row, n = int(self._index.row[i]), int(self._index.len[i])
         ids = reader.column("input_ids")[row : row + n].astype(np.int64)
         mask = reader.column("loss_mask")[row : row + n].astype(np.int64)
         return torch.from_numpy(ids), torch.from_numpy(mask)
@@ -380,8 +380,8 @@ class Dataset:
     def _read(
         self, i: int, layers: list[int] | None, out: torch.Tensor | None
     ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        reader = self._readers[self._segment[i]]
-        row, n = int(self._row[i]), int(self._len[i])
+        reader = self._readers[self._index.segment[i]]
+        row, n = int(self._index.row[i]), int(self._index.len[i])
         width = self.manifest.num_layers if layers is None else len(layers)
         shape = (n, width, self.manifest.hidden_size)
         if out is None:
@@ -405,7 +405,9 @@ class Dataset:
             mask = reader.column("loss_mask")[row : row + n]
         except IntegrityError as exc:
             raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
-        if hasher is not None and finish_checksum(hasher, ids, mask) != int(self._checksum[i]):
+        if hasher is not None and finish_checksum(hasher, ids, mask) != int(
+            self._index.checksum[i]
+        ):
             raise IntegrityError(
                 "sample checksum mismatch (corrupted bytes)",
                 path=str(self.path / paths.segment_dir(reader.info.id)),
@@ -420,3 +422,22 @@ class Dataset:
 
     def close(self) -> None:
         self.storage.close()
+
+
+class _JoinedIndex:
+    """The sample index of every segment, joined (built on first use after each refresh)."""
+
+    def __init__(self, tables: list[pa.Table]):
+        from hsstore.segment import INDEX_SCHEMA
+
+        parts = [
+            t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32)))
+            for k, t in enumerate(tables)
+        ]
+        empty = INDEX_SCHEMA.empty_table().append_column("segment", pa.array([], pa.int32()))
+        self.table: pa.Table = pa.concat_tables(parts) if parts else empty
+        self.segment = self.table.column("segment").to_numpy()
+        self.row = self.table.column("row_offset").to_numpy()
+        self.len = self.table.column("num_tokens").to_numpy()
+        self.checksum = self.table.column("checksum").to_numpy()
+        self.num_samples = int(self.len.shape[0])

@@ -1,13 +1,16 @@
 """Integrity: a full re-read of a dataset (`verify`) and debris removal (`gc`).
 
-verify checks, in order: every manifest version against the schema; every committed file is
-present with the recorded size (and crc32c for small files); every shard's index and every
-chunk's crc32c; then every sample is decoded and compared with its checksum. Each problem names
-the file and, where rows are involved, the sample ids affected.
+verify checks, in order: the root and segments/ Zarr group documents; the version history
+(no gaps, no rolled-back newest version) and the files that make the latest version (their
+checksums, schema and consistency); every committed file is present with the recorded size
+(and crc32c for small files); every shard's index and every chunk's crc32c and decoded size;
+then every sample is decoded and compared with its checksum. Each problem names the file and,
+where rows are involved, the sample ids affected.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -17,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from hsstore.codecs import check_crc
-from hsstore.errors import FormatError, HsstoreError, IntegrityError
-from hsstore.format import commit, paths, zarr_meta
+from hsstore.errors import HsstoreError
+from hsstore.format import commit, paths
+from hsstore.format.manifest import Manifest
 from hsstore.format.store import LocalStorage
 from hsstore.segment import SegmentReader
 
@@ -86,24 +89,8 @@ def verify(
     t0 = time.perf_counter()
     storage = LocalStorage(path)
     report = VerifyReport(path=str(path), version=None)
-    versions = commit.list_versions(storage)
-    if not versions:
-        report.problems.append(
-            Problem("manifest", str(path), "not an hsstore dataset (no committed manifest)")
-        )
-        return report
-    for v in versions:
-        try:
-            commit.load_manifest(storage, v)
-        except HsstoreError as exc:
-            report.problems.append(
-                Problem("manifest", storage.path_of(paths.manifest_key(v)), exc.message)
-            )
-    try:
-        manifest = commit.load_manifest(storage)
-    except HsstoreError as exc:
-        if not report.problems:
-            report.problems.append(Problem("manifest", exc.path or str(path), exc.message))
+    manifest = _check_manifests(storage, report)
+    if manifest is None:
         report.seconds = time.perf_counter() - t0
         return report
     report.version = manifest.version
@@ -117,25 +104,29 @@ def verify(
         if progress is not None:
             progress(done[0], total * 2)
 
-    # Files first: a segment whose index or columns are damaged cannot be read sample by
-    # sample, so it is reported whole and left out of the sample pass.
+    # Files first: a segment whose index is damaged cannot be read sample by sample, so it is
+    # reported whole and left out of the sample pass; any other damage is found sample by
+    # sample below, naming exactly the samples it affects.
     good_segments = []
     for seg in manifest.segments:
         reader = SegmentReader(storage, manifest, seg)
-        rows_to_ids = _row_mapper(reader)
-        segment_ok = True
-        for relpath, info in seg.files.items():
-            report.files_checked += 1
-            problems = _check_file(reader, relpath, info.size, info.crc32c, rows_to_ids, tick)
-            if problems:
-                report.problems.extend(problems)
-                segment_ok = segment_ok and relpath.startswith(f"{paths.STATES}/c/")
+        segment_ok = _check_segment_files(reader, report, tick)
         if segment_ok:
             good_segments.append(seg)
-    ds = Dataset(path, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments)))
+    try:
+        ds = Dataset(
+            path, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
+        )
+    except HsstoreError as exc:
+        report.problems.append(Problem("file", exc.path or str(path), exc.message))
+        report.seconds = time.perf_counter() - t0
+        return report
+    except OSError as exc:
+        report.problems.append(Problem("file", str(exc.filename or path), f"cannot read ({exc})"))
+        report.seconds = time.perf_counter() - t0
+        return report
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
-    todo = list(range(len(ds)))
     sample_bytes = ds.manifest.num_layers * ds.hidden_size * ds.manifest.storage_dtype.itemsize
 
     def check(i: int) -> Problem | None:
@@ -144,11 +135,11 @@ def verify(
         except HsstoreError as exc:
             return Problem("sample", exc.path or str(path), exc.message, [ds.sample_ids[i]])
         finally:
-            tick(int(ds._len[i]) * sample_bytes)
+            tick(ds.num_tokens_of(i) * sample_bytes)
         return None
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        for problem in pool.map(check, todo):
+        for problem in pool.map(check, range(len(ds))):
             report.samples_checked += 1
             if problem is not None and problem.sample_ids[0] not in reported:
                 report.problems.append(problem)
@@ -156,12 +147,124 @@ def verify(
     return report
 
 
-def _row_mapper(reader: SegmentReader) -> Callable[[int, int], list[str]]:
-    """Sample ids of one segment whose rows overlap [lo, hi); none if its index is unreadable."""
+def _check_manifests(storage: LocalStorage, report: VerifyReport) -> Manifest | None:
+    """The dataset's own metadata: group documents, the version history, the latest manifest.
+    Reads the files that make the latest version (a checkpoint and the deltas after it), not
+    the whole history; returns the latest manifest, or None when there is none to check."""
+
+    def problem(where: str, reason: str) -> None:
+        report.problems.append(Problem("manifest", where, reason))
+
+    for key in (paths.ROOT_ZARR_JSON, paths.SEGMENTS_ZARR_JSON):
+        reason = _group_document_problem(storage, key)
+        if reason:
+            problem(storage.path_of(key), reason)
+    try:
+        versions = commit.list_versions(storage)
+    except OSError as exc:
+        problem(storage.root, f"cannot list manifests ({exc.strerror})")
+        return None
+    if not versions:
+        problem(storage.root, "not an hsstore dataset (no committed manifest)")
+        return None
+    for v in sorted(set(range(versions[0], versions[-1] + 1)) - set(versions)):
+        problem(storage.path_of(paths.manifest_key(v)), f"manifest version {v} is missing")
+    try:
+        commit.check_not_rolled_back(storage, versions[-1])
+        manifest = commit.load_manifest(storage, versions[-1])
+    except HsstoreError as exc:
+        problem(exc.path or storage.root, exc.message)
+        return None
+    except OSError as exc:
+        problem(storage.root, f"cannot read manifest ({exc.strerror})")
+        return None
+    if _written_by_format_1(storage, versions[0]):
+        # Format 1 versions are full manifests: each older one must list only segments the
+        # latest still lists (segments are only ever added), or it points at deleted data.
+        latest_ids = {s.id for s in manifest.segments}
+        for v in versions[:-1]:
+            try:
+                older = commit.read_version(storage, v)
+            except HsstoreError as exc:
+                problem(exc.path or storage.root, exc.message)
+                continue
+            if isinstance(older, Manifest):
+                lost = [s.id for s in older.segments if s.id not in latest_ids]
+                if lost:
+                    problem(
+                        storage.path_of(paths.manifest_key(v)),
+                        f"lists {len(lost)} segment(s) the latest version does not "
+                        f"(first: {lost[0]}): committed data was removed",
+                    )
+    return manifest
+
+
+def _written_by_format_1(storage: LocalStorage, oldest: int) -> bool:
+    try:
+        first = commit.read_version(storage, oldest)
+    except HsstoreError:
+        return False  # reported with the latest version's chain, or harmless below it
+    return isinstance(first, Manifest) and first.format_version == 1
+
+
+def _group_document_problem(storage: LocalStorage, key: str) -> str | None:
+    try:
+        doc = json.loads(storage.read_bytes(key))
+    except FileNotFoundError:
+        return "Zarr group document is missing"
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"Zarr group document is not valid JSON ({type(exc).__name__})"
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
+        return 'not a Zarr v3 group document (expected zarr_format 3, node_type "group")'
+    return None
+
+
+def _check_segment_files(
+    reader: SegmentReader, report: VerifyReport, tick: Callable[[int], None]
+) -> bool:
+    """Check every file of one segment; False if its index is unusable (no sample pass)."""
+    rows_to_ids, index_ok = _row_mapper(reader)
+    for relpath, info in reader.info.files.items():
+        report.files_checked += 1
+        shard = paths.shard_of(relpath)
+        if shard is not None:
+            found = reader.check_shard(shard)
+            tick(found.nbytes)
+            where = reader.where(relpath)
+            if found.error is not None:
+                report.problems.append(
+                    Problem("file", where, found.error, rows_to_ids(*found.rows))
+                )
+            for bad in found.chunks:
+                report.problems.append(
+                    Problem(
+                        "chunk", f"{where} chunk {bad.chunk}", bad.reason, rows_to_ids(*bad.rows)
+                    )
+                )
+            continue
+        try:
+            reader.read_small(relpath)
+            tick(info.size)
+        except (HsstoreError, OSError) as exc:
+            sample_ids: list[str] = []
+            reason = exc.message if isinstance(exc, HsstoreError) else f"cannot read ({exc})"
+            if relpath == paths.INDEX:
+                sample_ids = reader.salvage_sample_ids()
+                reason += (
+                    f" (index of {reader.info.num_samples} samples: "
+                    + (f"{len(sample_ids)} named from what still decodes)" if sample_ids
+                       else "none can be named)")
+                )  # fmt: skip
+            report.problems.append(Problem("file", reader.where(relpath), reason, sample_ids))
+    return index_ok
+
+
+def _row_mapper(reader: SegmentReader) -> tuple[Callable[[int, int], list[str]], bool]:
+    """Sample ids of one segment whose rows overlap [lo, hi), and whether its index reads."""
     try:
         index = reader.index()
-    except HsstoreError:
-        return lambda lo, hi: []
+    except (HsstoreError, OSError):
+        return (lambda lo, hi: []), False
     starts = index.column("row_offset").to_numpy()
     ends = starts + index.column("num_tokens").to_numpy()
     ids = index.column("sample_id").to_pylist()
@@ -169,67 +272,7 @@ def _row_mapper(reader: SegmentReader) -> Callable[[int, int], list[str]]:
     def overlap(lo: int, hi: int) -> list[str]:
         return [ids[i] for i in np.flatnonzero((starts < hi) & (ends > lo))]
 
-    return overlap
-
-
-def _check_file(
-    reader: SegmentReader,
-    relpath: str,
-    size: int,
-    crc: int | None,
-    rows_to_ids: Callable[[int, int], list[str]],
-    tick: Callable[[int], None],
-) -> list[Problem] | None:
-    where = reader.where(relpath)
-    is_shard = relpath.startswith(f"{paths.STATES}/c/")
-    everyone = rows_to_ids(0, 2**62)
-    if not is_shard:
-        try:
-            reader.read_small(relpath)
-            tick(size)
-        except (IntegrityError, FormatError) as exc:
-            reason = exc.message
-            if relpath == paths.INDEX:
-                reason += f" (index of {reader.info.num_samples} samples: none can be located)"
-            return [Problem("file", where, reason, everyone)]
-        return None
-    shard = int(relpath.split("/")[2])
-    layout = reader.manifest.layout
-    shard_rows = (shard * layout.rows_per_shard, (shard + 1) * layout.rows_per_shard)
-    try:
-        data = reader.storage.read_bytes(paths.segment_file(reader.info.id, relpath))
-    except FileNotFoundError:
-        return [Problem("file", where, "committed shard file is missing", rows_to_ids(*shard_rows))]
-    tick(len(data))
-    if len(data) != size:
-        return [Problem("file", where, f"shard has {len(data)} bytes, manifest says {size} (truncated?)",
-                        rows_to_ids(*shard_rows))]  # fmt: skip
-    n_lc = reader.manifest.num_layers // layout.layers_per_chunk
-    n_index = zarr_meta.shard_index_nbytes(layout.chunks_per_shard * n_lc)
-    try:
-        body = check_crc(memoryview(data)[-n_index:], what=where)
-    except IntegrityError:
-        return [Problem("file", where, "shard index crc32c mismatch", rows_to_ids(*shard_rows))]
-    idx = np.frombuffer(body, dtype="<u8").reshape(layout.chunks_per_shard, n_lc, 2)
-    problems = []
-    for c in range(layout.chunks_per_shard):
-        for j in range(n_lc):
-            off, nb = (int(v) for v in idx[c, j])
-            if off == zarr_meta.EMPTY:
-                continue
-            rows = (
-                shard_rows[0] + c * layout.rows_per_chunk,
-                shard_rows[0] + (c + 1) * layout.rows_per_chunk,
-            )
-            try:
-                if off + nb > len(data) - n_index:
-                    raise IntegrityError("chunk extends past the shard data", path=where)
-                check_crc(memoryview(data)[off : off + nb], what=where)
-            except IntegrityError as exc:
-                problems.append(
-                    Problem("chunk", f"{where} chunk ({c}, {j})", exc.message, rows_to_ids(*rows))
-                )
-    return problems or None
+    return overlap, True
 
 
 def gc(

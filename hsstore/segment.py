@@ -1,22 +1,16 @@
-"""Writing and reading one segment: Zarr v3 arrays of states and token columns + a Parquet index.
+"""Reading one segment: Zarr v3 arrays of states and token columns + a Parquet index.
 
-A segment is written by exactly one writer, whole shards at a time (two writers never touch
-the same file), and becomes visible only when a manifest that lists it is published. Readers
-decode shard files directly: they read the shard index once, then only the chunks that hold
-the rows asked for, into buffers the caller provides.
+Readers decode shard files directly: they read the shard index once, then only the chunks that
+hold the rows asked for, into buffers the caller provides. `check_shard` re-reads a whole shard
+for `verify`. Writing a segment is `hsstore.segment_writer`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
 import json
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -25,11 +19,10 @@ import xxhash
 import zstandard
 
 from hsstore.codecs import ChunkCodec, check_crc, crc32c
-from hsstore.errors import FormatError, IntegrityError
+from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.format import paths, zarr_meta
-from hsstore.format.manifest import COLUMN_DTYPES, FileInfo, Manifest, SegmentInfo, now_iso
+from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.store import Storage
-from hsstore.stats import RowFlags, StatsAccumulator
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -43,7 +36,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("source", pa.string(), nullable=True),
     ]
 )
-_COLUMN_ZSTD_LEVEL = 3
+COLUMN_ZSTD_LEVEL = 3
 
 
 def sample_checksum(hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
@@ -60,227 +53,31 @@ def finish_checksum(hasher: xxhash.xxh3_64, input_ids: np.ndarray, loss_mask: np
     return hasher.intdigest()
 
 
-@dataclass
-class _PendingSample:
-    sample_id: str
-    row_offset: int
-    num_tokens: int
-    num_loss_tokens: int
-    checksum: int
-    flags: RowFlags
-    source: str | None
-
-
-class ShardFlusher:
-    """Two reusable shard buffers and a background thread that encodes and writes full ones.
-
-    Filling shard n+1 overlaps encoding and writing shard n (whose chunks are encoded in a
-    pool of threads); at most one shard is in flight, so memory is two shards per writer.
-    Owned by a `Writer` and reused across its segments (fresh memory is slow to first touch).
-    """
-
-    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, encode_threads: int):
-        self.shape, self.dtype = shape, dtype
-        self._buffers: list[np.ndarray | None] = [np.empty(shape, dtype), None]
-        self._current = 0
-        self._pool = ThreadPoolExecutor(max_workers=encode_threads)
-        self._thread = ThreadPoolExecutor(max_workers=1)
-        self._inflight: Future[None] | None = None
-
-    def buffer(self) -> np.ndarray:
-        buf = self._buffers[self._current]
-        if buf is None:
-            buf = self._buffers[self._current] = np.empty(self.shape, self.dtype)
-        return buf
-
-    def submit(self, job: Callable[[np.ndarray], None]) -> None:
-        """Run ``job(buffer)`` in the background on the buffer just filled; switch buffers."""
-        self.wait()
-        self._inflight = self._thread.submit(job, self.buffer())
-        self._current ^= 1
-
-    def wait(self) -> None:
-        """Block until the shard in flight is written; re-raise its error if it failed."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            inflight.result()
-
-    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        return list(self._pool.map(fn, items))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.wait()
-        self._thread.shutdown(wait=True)
-        self._pool.shutdown(wait=True)
+# Decode buffers are per thread and shared by every segment reader, so a reading thread holds
+# about two chunks of scratch however many segments it has touched.
+_THREAD_SCRATCH = threading.local()
 
 
 @dataclass
-class SegmentWriter:
-    """Fills one segment through the writer's `ShardFlusher`."""
+class ChunkProblem:
+    chunk: tuple[int, int]  # (row chunk within the segment, layer chunk)
+    rows: tuple[int, int]  # the segment rows [lo, hi) it holds
+    reason: str
 
-    storage: Storage
-    manifest: Manifest
-    segment_id: str
-    flusher: ShardFlusher
-    rows: int = 0
-    bytes_written: int = 0
-    _rows_in_buffer: int = 0
-    _shards_written: int = 0
-    _files: dict[str, FileInfo] = field(default_factory=dict)
-    _samples: list[_PendingSample] = field(default_factory=list)
-    _input_ids: list[np.ndarray] = field(default_factory=list)
-    _loss_masks: list[np.ndarray] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        layout = self.manifest.layout
-        self._codec = ChunkCodec(self.manifest.codec, self.manifest.storage_dtype.itemsize)
-        self._stats = StatsAccumulator(self.manifest.num_layers, self.manifest.dtype)
-        expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
-        if self.flusher.shape != expected:
-            raise FormatError(f"shard buffer shape {self.flusher.shape} != {expected}")
+@dataclass
+class ShardCheck:
+    """What `SegmentReader.check_shard` found in one shard file."""
+
+    shard: int
+    rows: tuple[int, int]  # the segment rows [lo, hi) the shard holds
+    nbytes: int = 0  # bytes read
+    error: str | None = None  # the whole shard is unusable (missing, truncated, bad index)
+    chunks: list[ChunkProblem] = field(default_factory=list)
 
     @property
-    def num_samples(self) -> int:
-        return len(self._samples)
-
-    def raw_bytes(self) -> int:
-        return (
-            self.rows
-            * self.manifest.num_layers
-            * self.manifest.hidden_size
-            * (self.manifest.storage_dtype.itemsize)
-        )
-
-    def add(
-        self,
-        sample_id: str,
-        input_ids: np.ndarray,
-        loss_mask: np.ndarray,
-        hidden: np.ndarray,
-        source: str | None,
-    ) -> None:
-        """Append one validated sample; ``hidden`` is [T, L, H] in the storage dtype."""
-        flags = self._stats.update(hidden)
-        checksum = sample_checksum(hidden, input_ids, loss_mask)
-        t = hidden.shape[0]
-        self._samples.append(
-            _PendingSample(sample_id, self.rows, t, int(loss_mask.sum()), checksum, flags, source)
-        )
-        self._input_ids.append(input_ids)
-        self._loss_masks.append(loss_mask)
-        done = 0
-        cap = self.flusher.shape[0]
-        while done < t:
-            n = min(t - done, cap - self._rows_in_buffer)
-            buf = self.flusher.buffer()
-            buf[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[done : done + n]
-            self._rows_in_buffer += n
-            done += n
-            if self._rows_in_buffer == cap:
-                self._flush_shard()
-        self.rows += t
-
-    def _flush_shard(self) -> None:
-        job = functools.partial(self._write_shard, self._rows_in_buffer, self._shards_written)
-        self.flusher.submit(job)
-        self._shards_written += 1
-        self._rows_in_buffer = 0
-
-    def _write_shard(self, filled: int, shard: int, buffer: np.ndarray) -> None:
-        """Encode the chunks of one shard (in the pool) and write the shard file. Background."""
-        layout = self.manifest.layout
-        rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk
-        n_layer_chunks = self.manifest.num_layers // lpc
-        row_chunks = -(-filled // rpc)
-        buffer[filled : row_chunks * rpc] = 0  # the edge chunk is padded with fill
-        pieces = [
-            buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
-            for c in range(row_chunks)
-            for j in range(n_layer_chunks)
-        ]
-        encoded = self.flusher.map(self._codec.encode, pieces)
-        index = np.full((layout.chunks_per_shard, n_layer_chunks, 1, 2), zarr_meta.EMPTY, "<u8")
-        offset = 0
-        flat = index.reshape(-1, 2)
-        for k, parts in enumerate(encoded):
-            nbytes = sum(len(p) for p in parts)
-            flat[k] = (offset, nbytes)
-            offset += nbytes
-        relpath = paths.shard_relpath(shard)
-        blobs = [p for parts in encoded for p in parts] + zarr_meta.encode_shard_index(index)
-        size = self.storage.write_file(paths.segment_file(self.segment_id, relpath), blobs)
-        self._files[relpath] = FileInfo(size)
-        self.bytes_written += size
-
-    def finalize(self) -> SegmentInfo:
-        """Write the remaining shard, the metadata and the index; make every file durable."""
-        if not self._samples:
-            raise FormatError("cannot finalize an empty segment")
-        if self._rows_in_buffer:
-            self._flush_shard()
-        self.flusher.wait()
-        man = self.manifest
-        small: dict[str, bytes] = {
-            "zarr.json": zarr_meta.group_json({"hsstore": {"segment": self.segment_id}}),
-            f"{paths.STATES}/zarr.json": zarr_meta.states_array_json(
-                num_rows=self.rows,
-                num_layers=man.num_layers,
-                hidden_size=man.hidden_size,
-                storage_dtype=man.storage_dtype,
-                logical_dtype=man.dtype,
-                layout=man.layout,
-                codec=man.codec,
-            ),
-            paths.STATS: json.dumps(self._stats.to_json()).encode(),
-            paths.INDEX: self._index_bytes(),
-        }
-        columns = {"input_ids": self._input_ids, "loss_mask": self._loss_masks}
-        for name, parts in columns.items():
-            dtype = np.dtype(COLUMN_DTYPES[name]).newbyteorder("<")
-            data = np.concatenate(parts).astype(dtype, copy=False)
-            body = zstandard.ZstdCompressor(level=_COLUMN_ZSTD_LEVEL).compress(data.tobytes())
-            small[f"{name}/zarr.json"] = zarr_meta.column_array_json(
-                num_rows=self.rows, dtype=dtype, zstd_level=_COLUMN_ZSTD_LEVEL
-            )
-            small[paths.column_relpath(name)] = body + crc32c(body).to_bytes(4, "little")
-        for relpath, data in small.items():
-            self.storage.write_file(paths.segment_file(self.segment_id, relpath), [data])
-            self._files[relpath] = FileInfo(len(data), crc32c(data))
-            self.bytes_written += len(data)
-        self.storage.sync(paths.segment_file(self.segment_id, rel) for rel in self._files)
-        return SegmentInfo(
-            id=self.segment_id,
-            num_samples=len(self._samples),
-            num_tokens=self.rows,
-            num_shards=self._shards_written,
-            files=dict(self._files),
-            committed_at=now_iso(),
-        )
-
-    def sample_ids(self) -> list[str]:
-        return [s.sample_id for s in self._samples]
-
-    def _index_table(self) -> pa.Table:
-        s = self._samples
-        return pa.table(
-            {
-                "sample_id": [x.sample_id for x in s],
-                "row_offset": [x.row_offset for x in s],
-                "num_tokens": [x.num_tokens for x in s],
-                "num_loss_tokens": [x.num_loss_tokens for x in s],
-                "checksum": [x.checksum for x in s],
-                "zero_rows": [x.flags.zero_rows for x in s],
-                "nonfinite_rows": [x.flags.nonfinite_rows for x in s],
-                "source": [x.source for x in s],
-            },
-            schema=INDEX_SCHEMA,
-        )
-
-    def _index_bytes(self) -> bytes:
-        sink = io.BytesIO()
-        pq.write_table(self._index_table(), sink, compression="zstd")
-        return sink.getvalue()
+    def ok(self) -> bool:
+        return self.error is None and not self.chunks
 
 
 class SegmentReader:
@@ -294,7 +91,6 @@ class SegmentReader:
         self._shard_indexes: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
         layout = manifest.layout
         self._n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
         self._row_bytes_chunk = (
@@ -334,6 +130,17 @@ class SegmentReader:
         if not table.schema.equals(INDEX_SCHEMA, check_metadata=False):
             raise FormatError("index has an unexpected schema", path=self.where(paths.INDEX))
         return table
+
+    def salvage_sample_ids(self) -> list[str]:
+        """The sample ids a damaged index still yields (its sample_id column, if that part
+        decodes), so a report can name what the damage affects; [] when nothing is readable."""
+        try:
+            data = self.storage.read_bytes(self._key(paths.INDEX))
+            with pq.ParquetFile(pa.BufferReader(data)) as index_file:
+                column = index_file.read(columns=["sample_id"], use_threads=False)
+            return [str(x) for x in column.column("sample_id").to_pylist()]
+        except Exception:  # damaged Parquet fails in many ways; salvage is best effort
+            return []
 
     def stats(self) -> dict:
         return json.loads(self.read_small(paths.STATS))
@@ -375,6 +182,23 @@ class SegmentReader:
     def _load_shard_index(self, shard: int) -> np.ndarray:
         relpath = paths.shard_relpath(shard)
         where = self.where(relpath)
+        size = self._shard_size(shard)
+        nbytes = self._index_nbytes
+        buf = bytearray(nbytes)
+        got = self.storage.read_into(self._key(relpath), size - nbytes, memoryview(buf))
+        if got != nbytes:
+            raise IntegrityError("shard index is truncated", path=where)
+        return self._parse_shard_index(memoryview(buf), size - nbytes, where)
+
+    @property
+    def _index_nbytes(self) -> int:
+        n_chunks = self.manifest.layout.chunks_per_shard * self._n_layer_chunks
+        return zarr_meta.shard_index_nbytes(n_chunks)
+
+    def _shard_size(self, shard: int) -> int:
+        """The shard's size on storage, checked against the manifest."""
+        relpath = paths.shard_relpath(shard)
+        where = self.where(relpath)
         expected = self.info.files.get(relpath)
         if expected is None:
             raise IntegrityError(f"shard {shard} is not listed in the manifest", path=where)
@@ -386,33 +210,74 @@ class SegmentReader:
             raise IntegrityError(
                 f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where
             )
-        n_chunks = self.manifest.layout.chunks_per_shard * self._n_layer_chunks
-        nbytes = zarr_meta.shard_index_nbytes(n_chunks)
-        buf = bytearray(nbytes)
-        got = self.storage.read_into(self._key(relpath), size - nbytes, memoryview(buf))
-        if got != nbytes:
-            raise IntegrityError("shard index is truncated", path=where)
-        body = check_crc(memoryview(buf), what=f"{where} (shard index)")
+        if size < self._index_nbytes:
+            raise IntegrityError("shard is shorter than its index", path=where)
+        return size
+
+    def _parse_shard_index(self, raw: memoryview, data_end: int, where: str) -> np.ndarray:
+        body = check_crc(raw, what=f"{where} (shard index)")
         idx = np.frombuffer(body, dtype="<u8").reshape(
             self.manifest.layout.chunks_per_shard, self._n_layer_chunks, 2
         )
-        data_end = size - nbytes
         present = idx[:, :, 0] != zarr_meta.EMPTY
         if np.any(idx[present][:, 0] + idx[present][:, 1] > data_end):
             raise IntegrityError("shard index points past the end of the data", path=where)
         if not self.manifest.codec.compressed:
             # Raw chunks are read row by row at computed offsets: their size must be exact.
-            raw = self.manifest.layout.rows_per_chunk * self._row_bytes_chunk + 4
-            if np.any(idx[present][:, 1] != raw):
+            raw_size = self.manifest.chunk_nbytes + 4
+            if np.any(idx[present][:, 1] != raw_size):
                 raise IntegrityError(
-                    f"shard index lists a raw chunk that is not {raw} bytes", path=where
+                    f"shard index lists a raw chunk that is not {raw_size} bytes", path=where
                 )
         return idx
 
+    def check_shard(self, shard: int) -> ShardCheck:
+        """Re-read one whole shard: its size, index, and every chunk's crc32c and decoded size.
+        Never raises for damage; the result names the rows each problem affects."""
+        layout = self.manifest.layout
+        lo = shard * layout.rows_per_shard
+        report = ShardCheck(shard, (lo, min(lo + layout.rows_per_shard, self.info.num_tokens)))
+        relpath = paths.shard_relpath(shard)
+        where = self.where(relpath)
+        try:
+            size = self._shard_size(shard)
+            data = memoryview(self.storage.read_bytes(self._key(relpath)))
+            report.nbytes = len(data)
+            if len(data) != size:
+                raise IntegrityError("shard changed size while being read", path=where)
+            idx = self._parse_shard_index(
+                data[size - self._index_nbytes :], size - self._index_nbytes, where
+            )
+        except IntegrityError as exc:
+            report.error = exc.message
+            return report
+        except OSError as exc:  # unreadable (permissions, I/O error): damage all the same
+            report.error = f"cannot read shard ({exc.strerror or exc})"
+            return report
+        rpc = layout.rows_per_chunk
+        for local in range(layout.chunks_per_shard):
+            c = shard * layout.chunks_per_shard + local
+            rows = (c * rpc, min((c + 1) * rpc, self.info.num_tokens))
+            for j in range(self._n_layer_chunks):
+                offset, nbytes = (int(v) for v in idx[local, j])
+                if offset == zarr_meta.EMPTY:
+                    if rows[0] < rows[1]:
+                        report.chunks.append(
+                            ChunkProblem((c, j), rows, "chunk of committed rows is missing")
+                        )
+                    continue
+                try:
+                    self._codec.check(
+                        data[offset : offset + nbytes], self.manifest.chunk_nbytes, what=where
+                    )
+                except HsstoreError as exc:
+                    report.chunks.append(ChunkProblem((c, j), rows, exc.message))
+        return report
+
     def _scratch(self, name: str, nbytes: int) -> memoryview:
-        bufs = getattr(self._local, "bufs", None)
+        bufs = getattr(_THREAD_SCRATCH, "bufs", None)
         if bufs is None:
-            bufs = self._local.bufs = {}
+            bufs = _THREAD_SCRATCH.bufs = {}
         buf = bufs.get(name)
         if buf is None or len(buf) < nbytes:
             buf = bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
@@ -473,12 +338,12 @@ class SegmentReader:
                 scratch = self._scratch("chunk", chunk_nbytes)
                 # A chunk cut by a sample boundary is usually needed again by the neighbouring
                 # sample: the thread's scratch keeps the last one decoded (chunks never change).
-                if getattr(self._local, "decoded", None) != (c, j):
-                    self._local.decoded = None
+                if getattr(_THREAD_SCRATCH, "decoded", None) != (self, c, j):
+                    _THREAD_SCRATCH.decoded = None
                     self._codec.decode_into(
                         self._read_chunk(key, offset, nbytes), scratch, what=what
                     )
-                    self._local.decoded = (c, j)
+                    _THREAD_SCRATCH.decoded = (self, c, j)
                 chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
                     rpc, lpc, man.hidden_size
                 )

@@ -16,7 +16,8 @@ import torch
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
 from hsstore.format import commit, paths
 from hsstore.format.manifest import Manifest, SegmentInfo, storage_view
-from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher
+from hsstore.segment import SegmentReader
+from hsstore.segment_writer import SegmentWriter, ShardFlusher
 
 if TYPE_CHECKING:  # the Dataset makes its writers (ds.writer()); a writer only uses its view
     from hsstore.dataset import Dataset
@@ -234,7 +235,7 @@ class Writer:
             )
 
         try:
-            published = commit.publish(self.storage, build_next)
+            published = commit.publish(self.storage, build_next, base=self.manifest)
         except ConflictError:
             self.abort()
             raise
@@ -247,7 +248,7 @@ class Writer:
         self._finished.clear()
         self._skipped.clear()
         self.manifest = published
-        self.ds.refresh()
+        self.ds.refresh(to=published)
         return published
 
     def abort(self) -> None:

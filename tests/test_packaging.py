@@ -51,10 +51,10 @@ def test_package_schemas_are_the_published_ones():
 
 def test_code_reads_the_package_schema():
     from hsstore import schemas
-    from hsstore.format import manifest
+    from hsstore.format import schema
 
-    assert manifest.schema() == schemas.load(schemas.MANIFEST)
-    assert manifest.schema() == json.loads((PUBLISHED_SCHEMAS / schemas.MANIFEST).read_text())
+    assert schema.schema() == schemas.load(schemas.MANIFEST)
+    assert schema.schema() == json.loads((PUBLISHED_SCHEMAS / schemas.MANIFEST).read_text())
 
 
 def _shared_site_packages() -> list[str]:

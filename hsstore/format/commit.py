@@ -1,10 +1,12 @@
 """Versions of a dataset: reading the latest manifest, publishing the next one, and gc.
 
 A commit is optimistic: read the latest version N, build N+1 from it, and create
-``manifests/v{N+1}.json`` with put-if-absent. If another writer got there first, re-read and
-try again. Published manifests are never rewritten, so a reader holding version N keeps a
-consistent view, and a writer killed at any point leaves at most unreferenced files (debris),
-which readers never look at and `gc` removes.
+``manifests/v{N+1}.json`` (a delta: the segments it adds) with put-if-absent. If another
+writer got there first, read its delta and try again. Every CHECKPOINT_EVERY versions the
+folded state is also written as a checkpoint, and a hint names the newest version announced.
+Published manifests are never rewritten, so a reader holding version N keeps a consistent
+view, and a writer killed at any point leaves at most unreferenced files (debris), which
+readers never look at and `gc` removes.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import fcntl
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from hsstore.errors import FormatError, NotADatasetError
+from hsstore.errors import FormatError, IntegrityError, NotADatasetError
 from hsstore.format import paths
-from hsstore.format.manifest import Manifest
+from hsstore.format.manifest import FORMAT_VERSION, Delta, Manifest, load_document
 from hsstore.format.store import LocalStorage, Storage
+
+# Every CHECKPOINT_EVERY versions the committer also writes the folded state, so loading any
+# version reads one checkpoint and at most CHECKPOINT_EVERY - 1 deltas.
+CHECKPOINT_EVERY = 64
 
 
 def list_versions(storage: Storage) -> list[int]:
@@ -26,50 +32,175 @@ def list_versions(storage: Storage) -> list[int]:
     return sorted(v for v in versions if v is not None)
 
 
+def list_checkpoints(storage: Storage) -> list[int]:
+    found = [paths.checkpoint_version(n) for n in storage.list(paths.MANIFESTS)]
+    return sorted(v for v in found if v is not None)
+
+
 def load_manifest(storage: Storage, version: int | None = None) -> Manifest:
-    """The given version, or the latest. Raises NotADatasetError when there is none."""
+    """The given version, or the latest. Raises NotADatasetError when there is none.
+
+    Reads the newest checkpoint (or full manifest) at or below the version and the deltas
+    after it: a bounded number of files, whatever the length of the history.
+    """
+    names = storage.list(paths.MANIFESTS)
+    versions = sorted(v for v in map(paths.manifest_version, names) if v is not None)
+    checkpoints = sorted(v for v in map(paths.checkpoint_version, names) if v is not None)
+    if not versions:
+        raise NotADatasetError(
+            "not an hsstore dataset (no manifests/ with a committed version)", path=storage.root
+        )
     if version is None:
-        versions = list_versions(storage)
-        if not versions:
-            raise NotADatasetError(
-                "not an hsstore dataset (no manifests/ with a committed version)",
-                path=storage.root,
-            )
         version = versions[-1]
+        check_not_rolled_back(storage, version)
+    base = max((c for c in checkpoints if c <= version), default=0)
+    deltas: list[Delta] = []
+    man: Manifest | None = None
+    for v in range(version, base, -1):
+        doc = read_version(storage, v)
+        if isinstance(doc, Manifest):
+            man = doc
+            break
+        deltas.append(doc)
+    if man is None:
+        if not base:
+            raise FormatError("version 1 is not a full manifest", path=storage.root)
+        if not storage.exists(paths.checkpoint_key(base)):
+            # Pruned since we listed (a newer one replaced it): fold from the listing again.
+            return load_manifest(storage, version)
+        man = read_checkpoint(storage, base)
+    for delta in reversed(deltas):
+        man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
+    return man
+
+
+def read_version(storage: Storage, version: int) -> Manifest | Delta:
+    """One version file, parsed and checked (checksum, schema, name)."""
     key = paths.manifest_key(version)
     try:
         data = storage.read_bytes(key)
     except FileNotFoundError as exc:
-        raise NotADatasetError(f"no manifest version {version}", path=storage.root) from exc
-    man = Manifest.from_bytes(data, where=storage.path_of(key))
+        raise NotADatasetError(f"no manifest version {version}", path=storage.path_of(key)) from exc
+    doc = load_document(data, where=storage.path_of(key))
+    if doc.version != version:
+        raise FormatError(
+            f"manifest says version {doc.version} but is named for {version}",
+            path=storage.path_of(key),
+        )
+    return doc
+
+
+def read_checkpoint(storage: Storage, version: int) -> Manifest:
+    key = paths.checkpoint_key(version)
+    try:
+        man = Manifest.from_bytes(storage.read_bytes(key), where=storage.path_of(key))
+    except FileNotFoundError as exc:
+        raise FormatError(f"checkpoint {version} is missing", path=storage.path_of(key)) from exc
     if man.version != version:
         raise FormatError(
-            f"manifest says version {man.version} but is named for {version}",
+            f"checkpoint says version {man.version} but is named for {version}",
             path=storage.path_of(key),
         )
     return man
+
+
+def announced_version(storage: Storage) -> int | None:
+    """The version the latest-version hint names (None when there is none yet)."""
+    try:
+        data = storage.read_bytes(paths.LATEST_HINT)
+    except FileNotFoundError:
+        return None
+    text = data.decode("ascii", "replace").strip()
+    if not text.isdigit() or len(text) > 16:
+        raise FormatError(f"version hint is not a number: {text[:40]!r}", path=storage.path_of(
+            paths.LATEST_HINT))  # fmt: skip
+    return int(text)
+
+
+def check_not_rolled_back(storage: Storage, latest: int) -> None:
+    """Raise if a version above ``latest`` was announced: the newest manifest was deleted."""
+    hint = announced_version(storage)
+    if hint is not None and hint > latest and not storage.exists(paths.manifest_key(latest + 1)):
+        raise IntegrityError(
+            f"version {hint} was published but manifests/v{latest + 1:08d}.json is missing: the "
+            f"newest versions were deleted or rolled back (restore them; nothing was repaired)",
+            path=storage.root,
+        )
+
+
+def _announce(storage: Storage, published: Manifest) -> None:
+    """Move the hint forward (never back past what it names). A crash or race between the
+    delete and the create only leaves the hint behind the truth, which is always safe."""
+    current = announced_version(storage)
+    if current is None or current < published.version:
+        storage.delete(paths.LATEST_HINT)
+        storage.put_if_absent(paths.LATEST_HINT, f"{published.version}\n".encode())
+    if published.version % CHECKPOINT_EVERY == 0:
+        write_checkpoint(storage, published)
+        # Checkpoints are redundant (the deltas hold the same facts): keep the newest two, so
+        # manifests stay O(segments) on disk; an older version folds from an older base.
+        storage.delete(paths.checkpoint_key(published.version - 2 * CHECKPOINT_EVERY))
+
+
+def write_checkpoint(storage: Storage, man: Manifest) -> None:
+    """Fold ``man`` into a checkpoint (idempotent: the state of a version never changes)."""
+    folded = replace(man, format_version=FORMAT_VERSION)  # a format 1 version, re-sealed
+    storage.put_if_absent(paths.checkpoint_key(man.version), folded.to_bytes())
 
 
 def publish(
     storage: Storage,
     build_next: Callable[[Manifest], Manifest],
     *,
+    base: Manifest | None = None,
     max_attempts: int = 1000,
 ) -> Manifest:
-    """Publish ``build_next(latest)`` as the next version; retried when a writer races us.
+    """Publish ``build_next(latest)`` as the next version, as a delta; retried when a writer
+    races us.
 
+    ``base``: a version the caller already holds; the versions published since are read one
+    delta at a time, so a commit costs what changed, not the length of the history.
     ``build_next`` must be a pure function of the latest manifest (it is called again after a
     lost race) and may raise to abort the commit.
     """
+    latest = base if base is not None else load_manifest(storage)
     for attempt in range(max_attempts):
-        latest = load_manifest(storage)
+        latest = _catch_up(storage, latest)
         nxt = build_next(latest)
         if nxt.version != latest.version + 1:
             raise FormatError("build_next must produce the next version number")
-        if storage.put_if_absent(paths.manifest_key(nxt.version), nxt.to_bytes()):
+        delta = latest.delta_to(nxt)
+        if storage.put_if_absent(paths.manifest_key(nxt.version), delta.to_bytes()):
+            _announce(storage, nxt)
             return nxt
         time.sleep(min(0.05, 0.001 * (attempt + 1)))
     raise FormatError(f"could not publish after {max_attempts} attempts", path=storage.root)
+
+
+def _catch_up(storage: Storage, latest: Manifest) -> Manifest:
+    """``latest`` moved forward over every version published after it."""
+    while True:
+        key = paths.manifest_key(latest.version + 1)
+        try:
+            data = storage.read_bytes(key)
+        except FileNotFoundError:
+            # The hint is written only after its version, and versions are contiguous: a hint
+            # above us with our successor absent means published versions were deleted.
+            check_not_rolled_back(storage, latest.version)
+            if not storage.exists(paths.manifest_key(latest.version)):
+                raise IntegrityError(
+                    f"version {latest.version}, which this commit extends, was deleted: the "
+                    f"newest versions were deleted or rolled back (restore them)",
+                    path=storage.root,
+                ) from None
+            return latest
+        doc = load_document(data, where=storage.path_of(key))
+        if isinstance(doc, Manifest):  # a full manifest, e.g. from a format 1 writer
+            if doc.version != latest.version + 1 or doc.dataset_id != latest.dataset_id:
+                raise FormatError("manifest does not follow its predecessor", path=key)
+            latest = doc
+        else:
+            latest = latest.apply(doc, where=storage.path_of(key))
 
 
 class SegmentLock:
@@ -132,6 +263,7 @@ def gc(
     versions = list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset", path=storage.root)
+    check_not_rolled_back(storage, versions[-1])  # a rolled-back commit's segment is not debris
     latest = load_manifest(storage, versions[-1])
     referenced = {s.id for s in latest.segments}
     dead = []
@@ -153,8 +285,15 @@ def gc(
         if name.startswith(".tmp-"):
             storage.delete(f"{paths.MANIFESTS}/{name}")
             report.removed_files.append(f"{paths.MANIFESTS}/{name}")
-    if keep_versions is not None and keep_versions >= 1:
+    if keep_versions is not None and keep_versions >= 1 and len(versions) > keep_versions:
+        # Deltas below the oldest kept version are only needed to fold it: write that version
+        # as a checkpoint first, then older version files and checkpoints can go.
+        oldest = versions[-keep_versions]
+        write_checkpoint(storage, load_manifest(storage, oldest))
         for v in versions[:-keep_versions]:
             storage.delete(paths.manifest_key(v))
             report.pruned_manifests.append(v)
+        for c in list_checkpoints(storage):
+            if c < oldest:
+                storage.delete(paths.checkpoint_key(c))
     return report

@@ -1,7 +1,10 @@
 """The manifest: one committed version of a dataset, as typed objects.
 
-Every manifest hsstore writes or reads is validated against ``manifest.schema.json``, read as
-package data from ``hsstore/schemas/`` (so an installed wheel finds it too).
+A version file is either a full manifest (``Manifest``: version 1 and every checkpoint) or a
+delta (``Delta``: the segments one commit adds). Every one hsstore writes or reads is validated
+against the manifest JSON Schema (`hsstore.format.schema`, read as package data) and carries an XXH3-64
+checksum of its canonical JSON, checked on every load, so an edited byte is refused instead of
+decoded into wrong numbers.
 A manifest from a newer format version is refused instead of misread.
 """
 
@@ -11,24 +14,32 @@ import datetime as _dt
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import torch
 
-from hsstore import schemas
 from hsstore.codecs import CodecConfig
 from hsstore.errors import (
     FormatError,
     IncompatibleDatasetError,
-    SchemaError,
+    IntegrityError,
     UnsupportedVersionError,
 )
-from hsstore.format.layers import MAX_DEPTH, LayerSpec
+from hsstore.format import paths
+from hsstore.format.layers import LayerSpec
+from hsstore.format.schema import validate
+from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 wrote only full manifests without a checksum; they are still read (see FORMAT.md).
+OLDEST_READABLE_FORMAT = 1
+
+# Bounds on what a manifest may claim, so a hostile or damaged one cannot make a reader
+# allocate or loop without limit. Far above any real model (hidden 16k, 200 stored layers).
+MAX_CHUNK_BYTES = 1 << 30
+MAX_NESTING = 64
 
 # logical dtype -> (torch dtype, storage numpy dtype). bf16 is stored as uint16 bit patterns:
 # zarr-python 3.1 has no bfloat16 data type, and uint16 keeps the bits exact.
@@ -172,7 +183,18 @@ class SegmentInfo:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> SegmentInfo:
+    def from_json(cls, obj: dict[str, Any], *, where: str) -> SegmentInfo:
+        for relpath in obj["files"]:
+            shard = paths.shard_of(relpath)
+            if shard is None and relpath not in paths.SEGMENT_SMALL_FILES:
+                raise FormatError(
+                    f"segment {obj['id']} lists an unknown file {relpath!r}", path=where
+                )
+            if shard is not None and shard >= obj["num_shards"]:
+                raise FormatError(
+                    f"segment {obj['id']} lists shard {shard} but has {obj['num_shards']} shards",
+                    path=where,
+                )
         return cls(
             id=obj["id"],
             num_samples=obj["num_samples"],
@@ -185,7 +207,7 @@ class SegmentInfo:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One committed version of a dataset."""
+    """One committed version of a dataset: the full state."""
 
     version: int
     dataset_id: str
@@ -263,17 +285,80 @@ class Manifest:
                 "existing dataset does not match: it has " + "; ".join(problems), path=path
             )
 
+    @property
+    def chunk_nbytes(self) -> int:
+        """Decoded size of one inner chunk: what every chunk of every segment must decode to."""
+        layout = self.layout
+        return (
+            layout.rows_per_chunk
+            * layout.layers_per_chunk
+            * self.hidden_size
+            * self.storage_dtype.itemsize
+        )
+
     def with_segments(
         self, segments: tuple[SegmentInfo, ...], provenance: dict[str, Any], version: int
     ) -> Manifest:
         return replace(
-            self, segments=segments, provenance=provenance, version=version, committed_at=now_iso()
+            self,
+            segments=segments,
+            provenance=provenance,
+            version=version,
+            committed_at=now_iso(),
+            format_version=FORMAT_VERSION,
+        )
+
+    def delta_to(self, nxt: Manifest) -> Delta:
+        """The delta that turns this version into ``nxt`` (which only adds to it)."""
+        n = len(self.segments)
+        old_skipped = self.provenance.get("skipped", [])
+        new_skipped = nxt.provenance.get("skipped", [])
+        if (
+            nxt.version != self.version + 1
+            or nxt.segments[:n] != self.segments
+            or new_skipped[: len(old_skipped)] != old_skipped
+            or {k: v for k, v in nxt.provenance.items() if k != "skipped"}
+            != {k: v for k, v in self.provenance.items() if k != "skipped"}
+            or _fixed_part(nxt) != _fixed_part(self)
+        ):
+            raise FormatError("a commit may only add segments and skipped inputs")
+        return Delta(
+            version=nxt.version,
+            dataset_id=self.dataset_id,
+            committed_at=nxt.committed_at,
+            add_segments=nxt.segments[n:],
+            add_skipped=tuple(new_skipped[len(old_skipped) :]),
+        )
+
+    def apply(self, delta: Delta, *, where: str) -> Manifest:
+        """The next version: this one plus ``delta``."""
+        if delta.dataset_id != self.dataset_id:
+            raise FormatError(
+                f"delta belongs to dataset {delta.dataset_id}, not {self.dataset_id}", path=where
+            )
+        if delta.version != self.version + 1:
+            raise FormatError(
+                f"delta is version {delta.version}, expected {self.version + 1}", path=where
+            )
+        _check_unique_segments(self.segments, delta.add_segments, where=where)
+        provenance = self.provenance
+        if delta.add_skipped:
+            provenance = dict(provenance)
+            provenance["skipped"] = list(provenance.get("skipped", [])) + list(delta.add_skipped)
+        return replace(
+            self,
+            version=delta.version,
+            committed_at=delta.committed_at,
+            segments=self.segments + delta.add_segments,
+            provenance=provenance,
+            format_version=FORMAT_VERSION,
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
+            "kind": "full",
             "version": self.version,
             "dataset_id": self.dataset_id,
             "created_at": self.created_at,
@@ -292,48 +377,45 @@ class Manifest:
             "num_tokens": self.num_tokens,
             "provenance": self.provenance,
         }
+        if self.format_version < 2:
+            del obj["kind"]
+        return obj
 
     def to_bytes(self) -> bytes:
-        obj = self.to_json()
-        validate(obj, where=f"manifest version {self.version}")
-        return (json.dumps(obj, indent=1) + "\n").encode()
+        if self.format_version != FORMAT_VERSION:
+            raise FormatError(f"hsstore writes format version {FORMAT_VERSION} only")
+        return _seal(self.to_json(), where=f"manifest version {self.version}")
 
     @classmethod
     def from_bytes(cls, data: bytes, *, where: str) -> Manifest:
+        doc = load_document(data, where=where)
+        if not isinstance(doc, Manifest):
+            raise FormatError("expected a full manifest, found a delta", path=where)
+        return doc
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, where: str) -> Manifest:
         try:
-            obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"manifest is not valid JSON ({exc})", path=where) from exc
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-            raise FormatError('not an hsstore manifest (missing "format": "hsstore")', path=where)
-        version = obj.get("format_version")
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise UnsupportedVersionError(
-                f"written by format version {version}; this hsstore reads up to "
-                f"{FORMAT_VERSION}. Upgrade hsstore to read it.",
-                path=where,
+            man = cls(
+                format_version=obj["format_version"],
+                version=obj["version"],
+                dataset_id=obj["dataset_id"],
+                created_at=obj["created_at"],
+                committed_at=obj["committed_at"],
+                model=ModelInfo.from_json(obj["model"]),
+                tokenizer=obj.get("tokenizer"),
+                hidden_size=obj["hidden_size"],
+                dtype=obj["dtype"],
+                layers=tuple(LayerSpec.from_json(x) for x in obj["layers"]),
+                codec=CodecConfig.from_json(obj["codec"]),
+                layout=Layout(**obj["layout"]),
+                segments=tuple(SegmentInfo.from_json(s, where=where) for s in obj["segments"]),
+                provenance=obj["provenance"],
+                columns=obj["columns"],
             )
-        validate(obj, where=where)
-        deepest = max((x["depth"] for x in obj["layers"]), default=0)
-        if deepest > MAX_DEPTH:  # the schema allows it; LayerSpec would raise a bare ValueError
-            raise FormatError(f"a layer depth of {deepest} is past {MAX_DEPTH}", path=where)
-        man = cls(
-            format_version=obj["format_version"],
-            version=obj["version"],
-            dataset_id=obj["dataset_id"],
-            created_at=obj["created_at"],
-            committed_at=obj["committed_at"],
-            model=ModelInfo.from_json(obj["model"]),
-            tokenizer=obj.get("tokenizer"),
-            hidden_size=obj["hidden_size"],
-            dtype=obj["dtype"],
-            layers=tuple(LayerSpec.from_json(x) for x in obj["layers"]),
-            codec=CodecConfig.from_json(obj["codec"]),
-            layout=Layout(**obj["layout"]),
-            segments=tuple(SegmentInfo.from_json(s) for s in obj["segments"]),
-            provenance=obj["provenance"],
-            columns=obj["columns"],
-        )
+        except ValueError as exc:  # a LayerSpec or codec the dataclasses refuse
+            raise FormatError(str(exc), path=where) from exc
+        _check_unique_segments((), man.segments, where=where)
         if obj["storage_dtype"] != STORAGE_DTYPE_NAMES[man.dtype]:
             raise FormatError(
                 f"storage_dtype {obj['storage_dtype']} does not match dtype {man.dtype}", path=where
@@ -345,26 +427,129 @@ class Manifest:
             or man.num_layers % man.layout.layers_per_chunk
         ):
             raise FormatError("layout.layers_per_chunk must divide the layer count", path=where)
+        if man.chunk_nbytes > MAX_CHUNK_BYTES:
+            raise FormatError(
+                f"layout makes {man.chunk_nbytes}-byte chunks (at most {MAX_CHUNK_BYTES})",
+                path=where,
+            )
+        if man.model.hidden_size is not None and man.model.hidden_size != man.hidden_size:
+            raise FormatError(
+                f"model.hidden_size {man.model.hidden_size} != hidden_size {man.hidden_size}",
+                path=where,
+            )
+        top = man.model.num_hidden_layers
+        for k, layer in enumerate(man.layers):
+            if top is not None and layer.depth > top:
+                raise FormatError(
+                    f"layers[{k}].depth {layer.depth} exceeds model.num_hidden_layers {top}",
+                    path=where,
+                )
         return man
 
 
-@lru_cache(maxsize=1)
-def schema() -> dict[str, Any]:
-    return schemas.load(schemas.MANIFEST)
+@dataclass(frozen=True)
+class Delta:
+    """What one commit adds to the version before it (format 2)."""
+
+    version: int
+    dataset_id: str
+    committed_at: str
+    add_segments: tuple[SegmentInfo, ...]
+    add_skipped: tuple[dict[str, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kind": "delta",
+            "version": self.version,
+            "dataset_id": self.dataset_id,
+            "committed_at": self.committed_at,
+            "add_segments": [s.to_json() for s in self.add_segments],
+            "add_skipped": list(self.add_skipped),
+        }
+
+    def to_bytes(self) -> bytes:
+        return _seal(self.to_json(), where=f"manifest version {self.version}")
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, where: str) -> Delta:
+        segments = tuple(SegmentInfo.from_json(s, where=where) for s in obj["add_segments"])
+        _check_unique_segments((), segments, where=where)
+        return cls(
+            version=obj["version"],
+            dataset_id=obj["dataset_id"],
+            committed_at=obj["committed_at"],
+            add_segments=segments,
+            add_skipped=tuple(obj["add_skipped"]),
+        )
 
 
-@lru_cache(maxsize=1)
-def _validator() -> Any:
-    import jsonschema
-
-    return jsonschema.Draft202012Validator(schema())
+def _fixed_part(man: Manifest) -> Manifest:
+    """What no commit may change: everything but segments, provenance and the version stamp."""
+    return replace(man, segments=(), provenance={}, version=0, committed_at="", format_version=0)
 
 
-def validate(obj: Any, *, where: str) -> None:
-    """Raise SchemaError naming the first violation (JSON path and message)."""
-    errors = sorted(_validator().iter_errors(obj), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        loc = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise SchemaError(f"schema violation at {loc}: {err.message}{more}", path=where)
+def _check_unique_segments(
+    have: tuple[SegmentInfo, ...], new: tuple[SegmentInfo, ...], *, where: str
+) -> None:
+    seen = {s.id for s in have}
+    for seg in new:
+        if seg.id in seen:
+            raise FormatError(f"segment {seg.id} is listed twice", path=where)
+        seen.add(seg.id)
+
+
+def _seal(obj: dict[str, Any], *, where: str) -> bytes:
+    obj.pop("checksum", None)
+    validate(obj, where=where)
+    return seal_document(obj)
+
+
+def load_document(data: bytes, *, where: str) -> Manifest | Delta:
+    """Parse one version (or checkpoint) file: a full manifest or a delta, checked whole."""
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"manifest is not valid JSON ({exc})", path=where) from exc
+    except RecursionError as exc:
+        raise FormatError("manifest is nested too deeply", path=where) from exc
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+        raise FormatError('not an hsstore manifest (missing "format": "hsstore")', path=where)
+    version = obj.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"written by format version {version}; this hsstore reads up to "
+            f"{FORMAT_VERSION}. Upgrade hsstore to read it.",
+            path=where,
+        )
+    for free_form in ("provenance", "tokenizer"):  # the schema bounds the depth of the rest
+        _check_nesting(obj.get(free_form), where=where)
+    try:
+        validate(obj, where=where)
+    except RecursionError as exc:  # a deep value quoted in a schema message
+        raise FormatError("manifest is nested too deeply", path=where) from exc
+    stored = obj.get("checksum")
+    if obj["format_version"] >= 2 and stored is None:
+        raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
+    if stored is not None and not checksum_matches(data, stored):
+        raise IntegrityError(
+            "manifest checksum mismatch: the file was edited or damaged after it was written",
+            path=where,
+        )
+    if obj.get("kind") == "delta":
+        return Delta.from_json(obj, where=where)
+    return Manifest.from_json(obj, where=where)
+
+
+def _check_nesting(obj: Any, *, where: str) -> None:
+    """Refuse documents nested deeper than MAX_NESTING (iteratively: no recursion to exhaust)."""
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise FormatError(f"manifest is nested deeper than {MAX_NESTING} levels", path=where)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)

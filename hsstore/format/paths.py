@@ -14,7 +14,19 @@ INDEX = "index.parquet"
 STATS = "stats.json"
 WRITING_LOCK = ".writing"
 
+# Every file of a committed segment except its shards (whose names `shard_relpath` makes).
+SEGMENT_SMALL_FILES = frozenset(
+    {"zarr.json", f"{STATES}/zarr.json", INDEX, STATS}
+    | {f"{col}/zarr.json" for col in ("input_ids", "loss_mask")}
+    | {f"{col}/c/0" for col in ("input_ids", "loss_mask")}
+)
+# The highest version a commit has announced; it only moves forward, so a deleted newest
+# manifest is detected instead of silently rolling the dataset back.
+LATEST_HINT = f"{MANIFESTS}/_latest"
+
 _MANIFEST_RE = re.compile(r"^v(\d{8,})\.json$")
+_CHECKPOINT_RE = re.compile(r"^c(\d{8,})\.json$")
+_SHARD_RE = re.compile(rf"^{STATES}/c/(0|[1-9]\d{{0,8}})/0/0$")
 
 
 def manifest_key(version: int) -> str:
@@ -24,6 +36,22 @@ def manifest_key(version: int) -> str:
 def manifest_version(name: str) -> int | None:
     """The version number a manifest file name carries, or None for anything else."""
     m = _MANIFEST_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoint_key(version: int) -> str:
+    """The full state at ``version``, folded from the deltas before it (written every K)."""
+    return f"{MANIFESTS}/c{version:08d}.json"
+
+
+def checkpoint_version(name: str) -> int | None:
+    m = _CHECKPOINT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_of(relpath: str) -> int | None:
+    """The shard number of a segment-relative shard path, or None for any other name."""
+    m = _SHARD_RE.match(relpath)
     return int(m.group(1)) if m else None
 
 

@@ -1,0 +1,253 @@
+"""Writing one segment: shards encoded in the background, then metadata, columns and index.
+
+A segment is written by exactly one writer, whole shards at a time (two writers never touch
+the same file), and becomes visible only when a manifest that lists it is published.
+Reading it back is `hsstore.segment`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+from hsstore.codecs import ChunkCodec, crc32c
+from hsstore.errors import FormatError
+from hsstore.format import paths, zarr_meta
+from hsstore.format.manifest import COLUMN_DTYPES, FileInfo, Manifest, SegmentInfo, now_iso
+from hsstore.format.store import Storage
+from hsstore.segment import COLUMN_ZSTD_LEVEL, INDEX_SCHEMA, sample_checksum
+from hsstore.stats import RowFlags, StatsAccumulator
+
+
+@dataclass
+class _PendingSample:
+    sample_id: str
+    row_offset: int
+    num_tokens: int
+    num_loss_tokens: int
+    checksum: int
+    flags: RowFlags
+    source: str | None
+
+
+class ShardFlusher:
+    """Two reusable shard buffers and a background thread that encodes and writes full ones.
+
+    Filling shard n+1 overlaps encoding and writing shard n (whose chunks are encoded in a
+    pool of threads); at most one shard is in flight, so memory is two shards per writer.
+    Owned by a `Writer` and reused across its segments (fresh memory is slow to first touch).
+    """
+
+    def __init__(self, shape: tuple[int, int, int], dtype: np.dtype, encode_threads: int):
+        self.shape, self.dtype = shape, dtype
+        self._buffers: list[np.ndarray | None] = [np.empty(shape, dtype), None]
+        self._current = 0
+        self._pool = ThreadPoolExecutor(max_workers=encode_threads)
+        self._thread = ThreadPoolExecutor(max_workers=1)
+        self._inflight: Future[None] | None = None
+
+    def buffer(self) -> np.ndarray:
+        buf = self._buffers[self._current]
+        if buf is None:
+            buf = self._buffers[self._current] = np.empty(self.shape, self.dtype)
+        return buf
+
+    def submit(self, job: Callable[[np.ndarray], None]) -> None:
+        """Run ``job(buffer)`` in the background on the buffer just filled; switch buffers."""
+        self.wait()
+        self._inflight = self._thread.submit(job, self.buffer())
+        self._current ^= 1
+
+    def wait(self) -> None:
+        """Block until the shard in flight is written; re-raise its error if it failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        return list(self._pool.map(fn, items))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait()
+        self._thread.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+
+@dataclass
+class SegmentWriter:
+    """Fills one segment through the writer's `ShardFlusher`."""
+
+    storage: Storage
+    manifest: Manifest
+    segment_id: str
+    flusher: ShardFlusher
+    rows: int = 0
+    bytes_written: int = 0
+    _rows_in_buffer: int = 0
+    _shards_written: int = 0
+    _files: dict[str, FileInfo] = field(default_factory=dict)
+    _samples: list[_PendingSample] = field(default_factory=list)
+    _input_ids: list[np.ndarray] = field(default_factory=list)
+    _loss_masks: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        layout = self.manifest.layout
+        self._codec = ChunkCodec(self.manifest.codec, self.manifest.storage_dtype.itemsize)
+        self._stats = StatsAccumulator(self.manifest.num_layers, self.manifest.dtype)
+        expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
+        if self.flusher.shape != expected:
+            raise FormatError(f"shard buffer shape {self.flusher.shape} != {expected}")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def raw_bytes(self) -> int:
+        return (
+            self.rows
+            * self.manifest.num_layers
+            * self.manifest.hidden_size
+            * (self.manifest.storage_dtype.itemsize)
+        )
+
+    def add(
+        self,
+        sample_id: str,
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        hidden: np.ndarray,
+        source: str | None,
+    ) -> None:
+        """Append one validated sample; ``hidden`` is [T, L, H] in the storage dtype."""
+        flags = self._stats.update(hidden)
+        checksum = sample_checksum(hidden, input_ids, loss_mask)
+        t = hidden.shape[0]
+        self._samples.append(
+            _PendingSample(sample_id, self.rows, t, int(loss_mask.sum()), checksum, flags, source)
+        )
+        self._input_ids.append(input_ids)
+        self._loss_masks.append(loss_mask)
+        done = 0
+        cap = self.flusher.shape[0]
+        while done < t:
+            n = min(t - done, cap - self._rows_in_buffer)
+            buf = self.flusher.buffer()
+            buf[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[done : done + n]
+            self._rows_in_buffer += n
+            done += n
+            if self._rows_in_buffer == cap:
+                self._flush_shard()
+        self.rows += t
+
+    def _flush_shard(self) -> None:
+        job = functools.partial(self._write_shard, self._rows_in_buffer, self._shards_written)
+        self.flusher.submit(job)
+        self._shards_written += 1
+        self._rows_in_buffer = 0
+
+    def _write_shard(self, filled: int, shard: int, buffer: np.ndarray) -> None:
+        """Encode the chunks of one shard (in the pool) and write the shard file. Background."""
+        layout = self.manifest.layout
+        rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk
+        n_layer_chunks = self.manifest.num_layers // lpc
+        row_chunks = -(-filled // rpc)
+        buffer[filled : row_chunks * rpc] = 0  # the edge chunk is padded with fill
+        pieces = [
+            buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
+            for c in range(row_chunks)
+            for j in range(n_layer_chunks)
+        ]
+        encoded = self.flusher.map(self._codec.encode, pieces)
+        index = np.full((layout.chunks_per_shard, n_layer_chunks, 1, 2), zarr_meta.EMPTY, "<u8")
+        offset = 0
+        flat = index.reshape(-1, 2)
+        for k, parts in enumerate(encoded):
+            nbytes = sum(len(p) for p in parts)
+            flat[k] = (offset, nbytes)
+            offset += nbytes
+        relpath = paths.shard_relpath(shard)
+        blobs = [p for parts in encoded for p in parts] + zarr_meta.encode_shard_index(index)
+        size = self.storage.write_file(paths.segment_file(self.segment_id, relpath), blobs)
+        self._files[relpath] = FileInfo(size)
+        self.bytes_written += size
+
+    def finalize(self) -> SegmentInfo:
+        """Write the remaining shard, the metadata and the index; make every file durable."""
+        if not self._samples:
+            raise FormatError("cannot finalize an empty segment")
+        if self._rows_in_buffer:
+            self._flush_shard()
+        self.flusher.wait()
+        man = self.manifest
+        small: dict[str, bytes] = {
+            "zarr.json": zarr_meta.group_json({"hsstore": {"segment": self.segment_id}}),
+            f"{paths.STATES}/zarr.json": zarr_meta.states_array_json(
+                num_rows=self.rows,
+                num_layers=man.num_layers,
+                hidden_size=man.hidden_size,
+                storage_dtype=man.storage_dtype,
+                logical_dtype=man.dtype,
+                layout=man.layout,
+                codec=man.codec,
+            ),
+            paths.STATS: json.dumps(self._stats.to_json()).encode(),
+            paths.INDEX: self._index_bytes(),
+        }
+        columns = {"input_ids": self._input_ids, "loss_mask": self._loss_masks}
+        for name, parts in columns.items():
+            dtype = np.dtype(COLUMN_DTYPES[name]).newbyteorder("<")
+            data = np.concatenate(parts).astype(dtype, copy=False)
+            body = zstandard.ZstdCompressor(level=COLUMN_ZSTD_LEVEL).compress(data.tobytes())
+            small[f"{name}/zarr.json"] = zarr_meta.column_array_json(
+                num_rows=self.rows, dtype=dtype, zstd_level=COLUMN_ZSTD_LEVEL
+            )
+            small[paths.column_relpath(name)] = body + crc32c(body).to_bytes(4, "little")
+        for relpath, data in small.items():
+            self.storage.write_file(paths.segment_file(self.segment_id, relpath), [data])
+            self._files[relpath] = FileInfo(len(data), crc32c(data))
+            self.bytes_written += len(data)
+        self.storage.sync(paths.segment_file(self.segment_id, rel) for rel in self._files)
+        return SegmentInfo(
+            id=self.segment_id,
+            num_samples=len(self._samples),
+            num_tokens=self.rows,
+            num_shards=self._shards_written,
+            files=dict(self._files),
+            committed_at=now_iso(),
+        )
+
+    def sample_ids(self) -> list[str]:
+        return [s.sample_id for s in self._samples]
+
+    def _index_table(self) -> pa.Table:
+        s = self._samples
+        return pa.table(
+            {
+                "sample_id": [x.sample_id for x in s],
+                "row_offset": [x.row_offset for x in s],
+                "num_tokens": [x.num_tokens for x in s],
+                "num_loss_tokens": [x.num_loss_tokens for x in s],
+                "checksum": [x.checksum for x in s],
+                "zero_rows": [x.flags.zero_rows for x in s],
+                "nonfinite_rows": [x.flags.nonfinite_rows for x in s],
+                "source": [x.source for x in s],
+            },
+            schema=INDEX_SCHEMA,
+        )
+
+    def _index_bytes(self) -> bytes:
+        sink = io.BytesIO()
+        pq.write_table(self._index_table(), sink, compression="zstd")
+        return sink.getvalue()
