@@ -178,6 +178,10 @@ def _check_manifests(storage: LocalStorage, report: VerifyReport) -> Manifest | 
     except OSError as exc:
         problem(storage.root, f"cannot read manifest ({exc.strerror})")
         return None
+    for c in commit.list_checkpoints(storage):  # the newest two; older ones are pruned
+        reason = _checkpoint_problem(storage, c, manifest)
+        if reason:
+            problem(storage.path_of(paths.checkpoint_key(c)), reason)
     if _written_by_format_1(storage, versions[0]):
         # Format 1 versions are full manifests: each older one must list only segments the
         # latest still lists (segments are only ever added), or it points at deleted data.
@@ -197,6 +201,23 @@ def _check_manifests(storage: LocalStorage, report: VerifyReport) -> Manifest | 
                         f"(first: {lost[0]}): committed data was removed",
                     )
     return manifest
+
+
+def _checkpoint_problem(storage: LocalStorage, version: int, latest: Manifest) -> str | None:
+    """A checkpoint is redundant (readers pass a bad one over): it must load and be a prefix
+    of the latest version."""
+    try:
+        folded = commit.read_checkpoint(storage, version)
+    except HsstoreError as exc:
+        return f"{exc.message} (readers fold from an older base instead)"
+    if version > latest.version:
+        return f"checkpoint of version {version} is newer than the latest version"
+    same_fixed = (folded.dataset_id, folded.layers, folded.layout, folded.hidden_size,
+                  folded.dtype, folded.codec) == (latest.dataset_id, latest.layers, latest.layout,
+                  latest.hidden_size, latest.dtype, latest.codec)  # fmt: skip
+    if not same_fixed or folded.segments != latest.segments[: len(folded.segments)]:
+        return "checkpoint disagrees with the versions it folds"
+    return None
 
 
 def _written_by_format_1(storage: LocalStorage, oldest: int) -> bool:

@@ -189,3 +189,20 @@ def test_reader_memory_per_thread_does_not_grow_with_segments(tmp_path):
     # Before: every segment reader kept ~2 chunks per reading thread (here ~80 chunks each).
     # The 1-thread figure holds what is per segment but shared (token columns, shard indexes).
     assert per_thread < 4 * chunk, per_thread / chunk
+
+
+def test_a_damaged_checkpoint_is_passed_over_and_reported(long_history, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ds"
+    shutil.copytree(long_history, copy)
+    checkpoint = copy / "manifests" / f"c{3 * K:08d}.json"
+    data = checkpoint.read_bytes()
+    assert b'"num_tokens":5}' in data
+    checkpoint.write_bytes(data.replace(b'"num_tokens":5}', b'"num_tokens":6}', 1))
+    ds = hsstore.open(copy)  # folds from the older checkpoint and more deltas
+    assert ds.sample_ids == [f"s{i}" for i in range(3 * K + 5)]
+    assert len(hsstore.open(copy, version=3 * K)) == 3 * K - 1
+    report = hsstore.verify(copy)
+    assert [p.where for p in report.problems] == [str(checkpoint)]
+    assert "checksum mismatch" in report.problems[0].reason

@@ -11,6 +11,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.format.sealing import seal_document
 from tools.synthetic import random_sample
 
 LENGTHS = [40, 90, 7, 200, 33, 120]
@@ -123,7 +124,7 @@ def test_schema_invalid_manifest(tmp_path):
     man = tmp_path / "ds" / "manifests" / "v00000001.json"  # the full manifest later ones extend
     doc = json.loads(man.read_text())
     doc["layers"][0]["depth"] = -3
-    man.write_text(json.dumps(doc))
+    man.write_bytes(seal_document(doc))  # with a valid checksum: the schema must refuse it
     with pytest.raises(hsstore.SchemaError, match="layers/0/depth"):
         hsstore.open(tmp_path / "ds")
     assert not hsstore.verify(tmp_path / "ds").ok

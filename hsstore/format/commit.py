@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from hsstore.errors import FormatError, IntegrityError, NotADatasetError
+from hsstore.errors import FormatError, HsstoreError, IntegrityError, NotADatasetError
 from hsstore.format import paths
 from hsstore.format.manifest import FORMAT_VERSION, Delta, Manifest, load_document
 from hsstore.format.store import LocalStorage, Storage
@@ -53,22 +53,28 @@ def load_manifest(storage: Storage, version: int | None = None) -> Manifest:
     if version is None:
         version = versions[-1]
         check_not_rolled_back(storage, version)
-    base = max((c for c in checkpoints if c <= version), default=0)
+    # Newest base first. Checkpoints are redundant (the deltas hold the same facts): one that
+    # is damaged or was pruned meanwhile is passed over for an older base (verify reports it).
+    bases = [0, *(c for c in checkpoints if c <= version)]
     deltas: list[Delta] = []
     man: Manifest | None = None
-    for v in range(version, base, -1):
-        doc = read_version(storage, v)
-        if isinstance(doc, Manifest):
-            man = doc
-            break
-        deltas.append(doc)
-    if man is None:
-        if not base:
-            raise FormatError("version 1 is not a full manifest", path=storage.root)
-        if not storage.exists(paths.checkpoint_key(base)):
-            # Pruned since we listed (a newer one replaced it): fold from the listing again.
-            return load_manifest(storage, version)
-        man = read_checkpoint(storage, base)
+    v = version
+    while man is None:
+        base = bases.pop()
+        while v > base and man is None:
+            doc = read_version(storage, v)
+            if isinstance(doc, Manifest):
+                man = doc
+            else:
+                deltas.append(doc)
+                v -= 1
+        if man is None:
+            if not base:
+                raise FormatError("version 1 is not a full manifest", path=storage.root)
+            try:
+                man = read_checkpoint(storage, base)
+            except HsstoreError:
+                continue
     for delta in reversed(deltas):
         man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
     return man

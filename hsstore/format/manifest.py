@@ -525,18 +525,19 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
         )
     for free_form in ("provenance", "tokenizer"):  # the schema bounds the depth of the rest
         _check_nesting(obj.get(free_form), where=where)
-    try:
-        validate(obj, where=where)
-    except RecursionError as exc:  # a deep value quoted in a schema message
-        raise FormatError("manifest is nested too deeply", path=where) from exc
     stored = obj.get("checksum")
-    if obj["format_version"] >= 2 and stored is None:
-        raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
-    if stored is not None and not checksum_matches(data, stored):
+    # The checksum first: a damaged byte is reported as damage, not as whatever rule it broke.
+    if isinstance(stored, str) and not checksum_matches(data, stored):
         raise IntegrityError(
             "manifest checksum mismatch: the file was edited or damaged after it was written",
             path=where,
         )
+    try:
+        validate(obj, where=where)
+    except RecursionError as exc:  # a deep value quoted in a schema message
+        raise FormatError("manifest is nested too deeply", path=where) from exc
+    if obj["format_version"] >= 2 and stored is None:
+        raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
     if obj.get("kind") == "delta":
         return Delta.from_json(obj, where=where)
     return Manifest.from_json(obj, where=where)

@@ -3,8 +3,8 @@
 The schema is the one statement of what a manifest may hold. jsonschema checks a document's
 fixed part; the segment entries, whose number grows with history, are checked by a
 straight-line form of the schema's own ``$defs/segment`` (its bounds and patterns read from
-the schema file; a test holds the two equal), ~100x faster than jsonschema, so loading a
-10,000-segment checkpoint stays well under a second.
+the schema file; a test holds the two equal): jsonschema took ~9 s over a 10,000-segment
+checkpoint, the whole load now takes under a second.
 """
 
 from __future__ import annotations
