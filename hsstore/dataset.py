@@ -10,7 +10,6 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from hsstore.format.manifest import (
     dtype_name,
     now_iso,
 )
-from hsstore.format.store import LocalStorage
+from hsstore.format.store import Storage, open_storage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 
@@ -64,7 +63,7 @@ def storage_view(t: torch.Tensor) -> np.ndarray:
 
 
 def create(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Storage,
     *,
     layers: Sequence[LayerSpec | Mapping[str, Any]],
     hidden_size: int,
@@ -78,7 +77,11 @@ def create(
     provenance: Mapping[str, Any] | None = None,
     exist_ok: bool = False,
 ) -> Dataset:
-    """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one."""
+    """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
+
+    ``path`` is a local path or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
+    ``file://``); see docs/STORAGE.md.
+    """
     specs = tuple(x if isinstance(x, LayerSpec) else LayerSpec.from_json(dict(x)) for x in layers)
     if not specs:
         raise BadInputError("a dataset needs at least one layer", path=str(path))
@@ -113,13 +116,12 @@ def create(
         layout=layout,
         provenance=dict(provenance or {}),
     )
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     data = man.to_bytes()
     if commit.list_versions(storage):
         if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=str(path))
-        return _open_compatible(path, man)
-    os.makedirs(storage.root, exist_ok=True)
+            raise ConflictError("a dataset already exists here", path=storage.root)
+        return _open_compatible(storage, man)
     for key, doc in (
         (
             paths.ROOT_ZARR_JSON,
@@ -130,13 +132,14 @@ def create(
         storage.put_if_absent(key, doc)
     if not storage.put_if_absent(paths.manifest_key(1), data):
         if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=str(path))
-        return _open_compatible(path, man)
-    return Dataset(path)
+            raise ConflictError("a dataset already exists here", path=storage.root)
+        return _open_compatible(storage, man)
+    return Dataset(storage)
 
 
-def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
-    ds = Dataset(path)
+def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
+    ds = Dataset(storage)
+    path = storage.root
     have = ds.manifest
 
     def semantics(m: Manifest) -> list[tuple[int, bool]]:
@@ -160,9 +163,12 @@ def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
 
 
 def open(
-    path: str | os.PathLike[str], *, version: int | None = None, verify_reads: bool = True
+    path: str | os.PathLike[str] | Storage,
+    *,
+    version: int | None = None,
+    verify_reads: bool = True,
 ) -> Dataset:  # noqa: A001
-    """Open the latest committed version (or ``version``) of a dataset."""
+    """Open the latest committed version (or ``version``) of a dataset at a path or URL."""
     return Dataset(path, version=version, verify_reads=verify_reads)
 
 
@@ -176,16 +182,16 @@ class Dataset:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Storage,
         *,
         version: int | None = None,
         verify_reads: bool = True,
         manifest: Manifest | None = None,
     ):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise FileNotFoundError(2, "no such dataset directory", str(path))
-        self.storage = LocalStorage(self.path)
+        self.storage = open_storage(path)
+        self.storage.check_root()
+        # Where the dataset lives, as given: a local path or a URL.
+        self.path: str = self.storage.root
         self.verify_reads = verify_reads
         self._load(
             manifest if manifest is not None else commit.load_manifest(self.storage, version)
@@ -239,10 +245,10 @@ class Dataset:
             self._load(latest)
         return self
 
-    # -- pickling: worker processes re-open from the path ----------------------------------
+    # -- pickling: worker processes re-open from the storage (its location, no handles) ------
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "path": str(self.path),
+            "path": self.storage,
             "version": self.manifest.version,
             "verify": self.verify_reads,
         }
@@ -399,7 +405,7 @@ class Dataset:
         if hasher is not None and finish_checksum(hasher, ids, mask) != int(self._checksum[i]):
             raise IntegrityError(
                 "sample checksum mismatch (corrupted bytes)",
-                path=str(self.path / paths.segment_dir(reader.info.id)),
+                path=self.storage.path_of(paths.segment_dir(reader.info.id)),
                 sample_id=self.sample_ids[i],
             )
         return ids, mask, out

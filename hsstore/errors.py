@@ -55,3 +55,7 @@ class DuplicateSampleError(ConflictError):
 
 class BadInputError(HsstoreError):
     """Input handed to hsstore (a tensor, a foreign file) is malformed."""
+
+
+class StorageError(HsstoreError):
+    """The storage behind a dataset refused or failed a request (credentials, bucket, network)."""

@@ -20,7 +20,7 @@ import numpy as np
 from hsstore.codecs import check_crc
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.format import commit, paths, zarr_meta
-from hsstore.format.store import LocalStorage
+from hsstore.format.store import Storage, open_storage
 from hsstore.segment import SegmentReader
 
 
@@ -78,14 +78,15 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 def verify(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: Progress | None = None
+    path: str | os.PathLike[str] | Storage, *, workers: int | None = None, progress: Progress | None = None
 ) -> VerifyReport:
     """Re-read everything committed; never raises for data problems, returns them instead."""
     from hsstore.dataset import Dataset
 
     t0 = time.perf_counter()
-    storage = LocalStorage(path)
-    report = VerifyReport(path=str(path), version=None)
+    storage = open_storage(path)
+    path = storage.root
+    report = VerifyReport(path=path, version=None)
     versions = commit.list_versions(storage)
     if not versions:
         report.problems.append(
@@ -132,7 +133,7 @@ def verify(
                 segment_ok = segment_ok and relpath.startswith(f"{paths.STATES}/c/")
         if segment_ok:
             good_segments.append(seg)
-    ds = Dataset(path, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments)))
+    ds = Dataset(storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments)))
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
     todo = list(range(len(ds)))
@@ -233,7 +234,10 @@ def _check_file(
 
 
 def gc(
-    path: str | os.PathLike[str], *, keep_versions: int | None = None, grace_s: float = 60.0
+    path: str | os.PathLike[str] | Storage,
+    *,
+    keep_versions: int | None = None,
+    grace_s: float = 60.0,
 ) -> commit.GcReport:
     """Remove debris left by crashed writers (never anything a committed version references)."""
-    return commit.gc(LocalStorage(path), keep_versions=keep_versions, grace_s=grace_s)
+    return commit.gc(open_storage(path), keep_versions=keep_versions, grace_s=grace_s)

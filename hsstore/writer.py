@@ -15,6 +15,7 @@ import torch
 from hsstore.dataset import Dataset, storage_view
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
 from hsstore.format import commit, paths
+from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.segment import SegmentReader, SegmentWriter, ShardFlusher
 
@@ -28,7 +29,14 @@ class Writer:
     is already committed, or added twice, raises DuplicateSampleError.
     """
 
-    def __init__(self, ds: Dataset, *, segment_bytes: int, encode_threads: int | None):
+    def __init__(
+        self,
+        ds: Dataset,
+        *,
+        segment_bytes: int,
+        encode_threads: int | None,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+    ):
         self.ds = ds
         ds.refresh()
         self.storage = ds.storage
@@ -47,7 +55,10 @@ class Writer:
         self._committed_ids = set(ds.sample_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
-        self._locks: dict[str, commit.SegmentLock] = {}
+        # A lease per segment this writer is filling, refreshed until it is committed; gc never
+        # removes a leased segment (see hsstore.format.lease).
+        self.leases = LeaseKeeper(self.storage, ttl_s=lease_ttl_s)
+        self._held: list[str] = []
         self._finished: list[SegmentInfo] = []
         self._skipped: list[dict[str, str]] = []
         self._bytes_committed = 0
@@ -146,7 +157,8 @@ class Writer:
     # -- segments ----------------------------------------------------------------------------
     def _new_segment(self) -> SegmentWriter:
         seg_id = uuid.uuid4().hex
-        self._locks[seg_id] = commit.SegmentLock(self.storage, seg_id)
+        self.leases.acquire(seg_id)  # before any file of the segment exists
+        self._held.append(seg_id)
         return SegmentWriter(self.storage, self.manifest, seg_id, self._flusher)
 
     def _finish_segment(self) -> None:
@@ -163,8 +175,16 @@ class Writer:
         mine = list(self._finished)
         my_ids = set(self._new_ids)
         skipped = list(self._skipped)
+        refused: list[BaseException] = []
 
         def build_next(latest: Manifest) -> Manifest:
+            try:
+                return _build_next(latest)
+            except BaseException as exc:
+                refused.append(exc)  # raised before this attempt's put: nothing published
+                raise
+
+        def _build_next(latest: Manifest) -> Manifest:
             for seg in latest.segments:
                 if seg.id in self._known_segments:
                     continue
@@ -184,18 +204,33 @@ class Writer:
             provenance = dict(latest.provenance)
             if skipped:
                 provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
+            # Last step before the conditional create: a fresh lease has a whole ttl to run,
+            # so gc cannot judge these segments dead while the put is in flight.
+            self.leases.refresh_now([seg.id for seg in mine])
             return latest.with_segments(
                 latest.segments + tuple(mine), provenance, latest.version + 1
             )
 
         try:
             published = commit.publish(self.storage, build_next)
-        except ConflictError:
-            self.abort()
-            raise
+        except BaseException as exc:
+            if refused and refused[-1] is exc:
+                # Refused before any put of this commit: certainly unpublished.
+                if isinstance(exc, ConflictError):
+                    self.abort()
+                raise
+            # The put itself failed: the version may or may not be in place. A published
+            # segment must never be deleted, so keep the files and let the leases lapse;
+            # gc removes them later if the commit did not land.
+            if self._landed(mine):
+                published = commit.load_manifest(self.storage)
+            else:
+                self._leave_to_gc()
+                raise
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
-            self._locks.pop(seg.id).release()
+            self.leases.drop(seg.id)  # after the publish: gc re-reads the manifest after this
+            self._held.remove(seg.id)
             self._known_segments.add(seg.id)
         self._committed_ids |= my_ids
         self._new_ids.clear()
@@ -205,16 +240,41 @@ class Writer:
         self.ds.refresh()
         return published
 
+    def _landed(self, mine: list[SegmentInfo]) -> bool:
+        """Whether the latest version references these segments (a publish that raised late)."""
+        try:
+            latest = commit.load_manifest(self.storage)
+        except Exception:  # noqa: BLE001 - cannot tell: treat as maybe published
+            return False
+        have = {s.id for s in latest.segments}
+        return all(seg.id in have for seg in mine)
+
+    def _leave_to_gc(self) -> None:
+        """Forget uncommitted segments without deleting them (they may be published)."""
+        with contextlib.suppress(Exception):
+            self._flusher.wait()
+        for seg_id in self._held:
+            self.leases.drop(seg_id, delete=False)
+        self._held.clear()
+        self._segment = None
+        self._finished.clear()
+        self._new_ids.clear()
+        self._skipped.clear()
+
     def abort(self) -> None:
-        """Drop every segment not yet committed (its files are deleted)."""
+        """Drop every segment not yet committed (its files are deleted).
+
+        Only ever called when no put of those segments' manifest has been attempted, or every
+        attempt was refused, so nothing deleted here can be referenced by a version.
+        """
         with contextlib.suppress(Exception):
             self._flusher.wait()  # a shard still being written would re-create the folder
         self._segment = None
         self._finished.clear()
-        for seg_id, lock in list(self._locks.items()):
-            self.storage.delete_tree(paths.segment_dir(seg_id))
-            lock.release()
-        self._locks.clear()
+        for seg_id in self._held:
+            self.storage.delete_tree(paths.segment_dir(seg_id))  # the lease goes with it
+            self.leases.drop(seg_id, delete=False)
+        self._held.clear()
         self._new_ids.clear()
         self._skipped.clear()
 
@@ -222,6 +282,7 @@ class Writer:
         if not self._closed:
             self._closed = True
             self._flusher.close()
+            self.leases.close()
 
     def __enter__(self) -> Writer:
         return self

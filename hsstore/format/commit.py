@@ -9,16 +9,15 @@ which readers never look at and `gc` removes.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hsstore.errors import FormatError, NotADatasetError
 from hsstore.format import paths
+from hsstore.format.lease import lease_is_live, lease_key
 from hsstore.format.manifest import Manifest
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import TEMP_PREFIX, Storage
 
 
 def list_versions(storage: Storage) -> list[int]:
@@ -72,45 +71,6 @@ def publish(
     raise FormatError(f"could not publish after {max_attempts} attempts", path=storage.root)
 
 
-class SegmentLock:
-    """Held by a live writer on each segment it is filling, until that segment is committed.
-
-    gc treats an unreferenced segment as debris only when it can take this lock, i.e. when
-    the writer that made it is gone (the kernel drops flock locks of a killed process).
-    """
-
-    def __init__(self, storage: LocalStorage, segment_id: str):
-        folder = os.path.join(storage.root, paths.segment_dir(segment_id))
-        os.makedirs(folder, exist_ok=False)
-        self._fd = os.open(os.path.join(folder, paths.WRITING_LOCK), os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _segment_is_live(storage: LocalStorage, segment_id: str, *, grace_s: float) -> bool:
-    folder = os.path.join(storage.root, paths.segment_dir(segment_id))
-    lock = os.path.join(folder, paths.WRITING_LOCK)
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        # A writer creates the lock right after the folder; give a just-born folder time.
-        try:
-            return time.time() - os.stat(folder).st_mtime < grace_s
-        except FileNotFoundError:
-            return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 @dataclass
 class GcReport:
     removed_segments: list[str] = field(default_factory=list)
@@ -120,41 +80,69 @@ class GcReport:
 
 
 def gc(
-    storage: LocalStorage, *, keep_versions: int | None = None, grace_s: float = 60.0
+    storage: Storage,
+    *,
+    keep_versions: int | None = None,
+    grace_s: float = 60.0,
+    before_delete: Callable[[], None] | None = None,
 ) -> GcReport:
-    """Remove what no committed version references and no live writer holds.
+    """Remove what no committed version references and no live writer may still publish.
+
+    An unreferenced segment is debris only when its lease (``.writing``) has lapsed or is gone
+    AND its newest object is older than ``grace_s``, both on the storage's clock; a temporary
+    file only when it is older than ``grace_s``. The latest version is re-read after those
+    checks and just before deleting, so a segment whose writer committed meanwhile is kept (a
+    writer publishes before it drops its lease). See docs/FORMAT.md, "Commits, leases and gc".
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only
-    ever added).
+    ever added). before_delete: a test hook run between the checks and the deletions.
     """
     report = GcReport()
     versions = list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset", path=storage.root)
+    now = storage.now()
     latest = load_manifest(storage, versions[-1])
     referenced = {s.id for s in latest.segments}
     dead = []
     for name in storage.list(paths.SEGMENTS):
         if name == "zarr.json" or name in referenced:
             continue
-        if _segment_is_live(storage, name, grace_s=grace_s):
+        if _segment_is_live(storage, name, now=now, grace_s=grace_s):
             report.live_segments.append(name)
         else:
             dead.append(name)
-    # A writer publishes its manifest before it drops its lock: re-reading the latest version
-    # after the lock checks sees every segment whose lock we found free but was committed.
+    if before_delete is not None:
+        before_delete()
     referenced = {s.id for s in load_manifest(storage).segments}
     for name in dead:
         if name not in referenced:
             storage.delete_tree(paths.segment_dir(name))
             report.removed_segments.append(name)
     for name in storage.list(paths.MANIFESTS):
-        if name.startswith(".tmp-"):
-            storage.delete(f"{paths.MANIFESTS}/{name}")
-            report.removed_files.append(f"{paths.MANIFESTS}/{name}")
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        key = f"{paths.MANIFESTS}/{name}"
+        try:
+            age = now - storage.stat(key).modified
+        except FileNotFoundError:
+            continue  # its writer finished with it
+        if age > grace_s:  # a live writer's temp file lives for milliseconds
+            storage.delete(key)
+            report.removed_files.append(key)
     if keep_versions is not None and keep_versions >= 1:
         for v in versions[:-keep_versions]:
             storage.delete(paths.manifest_key(v))
             report.pruned_manifests.append(v)
     return report
+
+
+def _segment_is_live(storage: Storage, segment_id: str, *, now: float, grace_s: float) -> bool:
+    objects = list(storage.walk(paths.segment_dir(segment_id)))
+    if not objects:
+        return False
+    lease = [o for o in objects if o.key == lease_key(segment_id)]
+    if lease and lease_is_live(storage, lease[0], now):
+        return True
+    return now - max(o.modified for o in objects) < grace_s
