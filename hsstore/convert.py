@@ -21,6 +21,7 @@ import torch
 
 from hsstore.errors import BadInputError, HsstoreError
 from hsstore.format.conventions import SPECULATORS, ConventionError, from_canonical
+from hsstore.format.store import Storage, is_url, open_storage
 from hsstore.io import HSSTORE, detect_format, open_source
 from hsstore.io.base import SourceItem, SourceReader, dtype_name, file_index
 from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
@@ -81,17 +82,19 @@ def _manifest_value(ds: Any, name: str) -> Any:
     return getattr(ds.manifest, name, None)
 
 
-def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, codec: str | None):
+def _open_or_create(
+    reader: SourceReader, dst: Storage, *, model_name: str | None, codec: str | None
+):
     import hsstore
 
-    if dst.exists() and any(dst.iterdir()):
+    if dst.list(""):
         try:
             ds = hsstore.open(dst)
         except HsstoreError as exc:
             raise BadInputError(
                 f"destination exists and is not an hsstore dataset ({exc.message}); "
                 "choose a new path or an existing dataset to resume",
-                path=str(dst),
+                path=dst.root,
             ) from None
         _check_compatible(ds, reader, dst)
         return ds
@@ -112,7 +115,7 @@ def _open_or_create(reader: SourceReader, dst: Path, *, model_name: str | None, 
     )
 
 
-def _check_compatible(ds: Any, reader: SourceReader, dst: Path) -> None:
+def _check_compatible(ds: Any, reader: SourceReader, dst: Storage) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
     problems = []
     if list(ds.layers) != list(reader.layers):
@@ -128,7 +131,7 @@ def _check_compatible(ds: Any, reader: SourceReader, dst: Path) -> None:
         problems.append(f"dtype {d} vs source {dtype_name(reader.dtype)}")
     if problems:
         raise BadInputError(
-            "destination dataset does not match the source: " + "; ".join(problems), path=str(dst)
+            "destination dataset does not match the source: " + "; ".join(problems), path=dst.root
         )
 
 
@@ -161,13 +164,13 @@ def convert_to_hsstore(
     if commit_every < 1 or commit_bytes < 1:
         raise ValueError("commit_every and commit_bytes must be >= 1")
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    src, dst_storage = Path(src), open_storage(dst)  # the dataset may live at a URL
     reader = open_source(src, fmt=fmt, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
-    ds = _open_or_create(reader, dst, model_name=model_name, codec=codec)
+    ds = _open_or_create(reader, dst_storage, model_name=model_name, codec=codec)
     present = set(ds.sample_ids)
     ids = reader.sample_ids()
     todo = [i for i, sid in enumerate(ids) if sid not in present]
-    result = ConvertResult(str(src), reader.format, str(dst), HSSTORE)
+    result = ConvertResult(str(src), reader.format, dst_storage.root, HSSTORE)
     result.already_present = len(ids) - len(todo)
     names = reader.names()
     recorded = _recorded_skips(ds)
@@ -288,8 +291,9 @@ def export_to_v1(
     import hsstore
 
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    ds = hsstore.open(src)
+    out = Path(out)
+    ds = hsstore.open(src)  # a path or URL
+    src = ds.path
     manifest = ds.manifest
     n = num_hidden_layers or _model_field(getattr(manifest, "model", None), "num_hidden_layers")
     if not n:
@@ -366,7 +370,8 @@ def convert(
     **kwargs: Any,
 ) -> ConvertResult:
     """``hsstore convert``: foreign -> hsstore by default, hsstore -> speculators v1 for datasets."""
-    src_format = src_format or detect_format(src)
+    # Foreign formats are local directories; a URL source can only be an hsstore dataset.
+    src_format = src_format or (HSSTORE if is_url(src) else detect_format(src))
     if src_format == HSSTORE:
         dst_format = dst_format or "speculators-v1"
         if dst_format != "speculators-v1":

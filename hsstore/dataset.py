@@ -411,11 +411,27 @@ class Dataset:
         return ids, mask, out
 
     # -- writing -------------------------------------------------------------------------------
-    def writer(self, *, segment_bytes: int = 2 << 30, encode_threads: int | None = None) -> Writer:
-        """A writer that appends segments of its own; use as a context manager."""
+    def writer(
+        self,
+        *,
+        segment_bytes: int = 2 << 30,
+        encode_threads: int | None = None,
+        lease_ttl_s: float | None = None,
+    ) -> Writer:
+        """A writer that appends segments of its own; use as a context manager.
+
+        lease_ttl_s: how long gc must see no heartbeat before it may judge this writer's
+        segments dead (default 60 s, or ``$HSSTORE_LEASE_TTL``).
+        """
+        from hsstore.format.lease import DEFAULT_TTL_S
         from hsstore.writer import Writer
 
-        return Writer(self, segment_bytes=segment_bytes, encode_threads=encode_threads)
+        return Writer(
+            self,
+            segment_bytes=segment_bytes,
+            encode_threads=encode_threads,
+            lease_ttl_s=lease_ttl_s or DEFAULT_TTL_S,
+        )
 
     def close(self) -> None:
         self.storage.close()

@@ -64,8 +64,9 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedServer:
     """`weed mini` in ``workdir``; ``start()``/``stop()`` may be called repeatedly (same data)."""
 
-    def __init__(self, workdir: str | os.PathLike[str]):
+    def __init__(self, workdir: str | os.PathLike[str], buckets: tuple[str, ...] = ("hsstore",)):
         self.workdir = Path(workdir)
+        self.buckets = buckets
         self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -92,6 +93,8 @@ class SeaweedServer:
         cmd = [weed_binary(), f"-logdir={logs}", "mini", f"-dir={data}"]
         cmd += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"]
         cmd += ["-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        # Like a real service: a missing bucket is an error, not created on first write.
+        cmd += ["-s3.autoCreateBucket=false", f"-bucket={','.join(self.buckets)}"]
         cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
         env = dict(os.environ)
         env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
@@ -104,7 +107,7 @@ class SeaweedServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed mini exited with {self.proc.returncode}; see weed.out")
-            if self._answers():
+            if self._answers() and self._buckets_ready():
                 return
             time.sleep(0.1)
         self.stop()
@@ -119,13 +122,26 @@ class SeaweedServer:
             return False
         return True
 
-    def create_bucket(self, name: str) -> None:
-        """Make a bucket (an empty signed put through obstore creates it on this server)."""
+    def _buckets_ready(self) -> bool:
+        """Buckets named by -bucket appear a moment after the gateway answers."""
+        import obstore
         from obstore.store import S3Store
 
-        store = S3Store(name, **_config(self.env()))
-        store.put(".hsstore-bucket", b"")
-        store.delete(".hsstore-bucket")
+        env = self.env()
+        for bucket in self.buckets:
+            store = S3Store(
+                bucket,
+                endpoint=env["AWS_ENDPOINT_URL"],
+                access_key_id=ACCESS_KEY,
+                secret_access_key=SECRET_KEY,
+                region=REGION,
+                client_options={"allow_http": True},
+            )
+            try:
+                obstore.list_with_delimiter(store, prefix="probe/")
+            except Exception:  # noqa: BLE001 - not there yet
+                return False
+        return True
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -148,13 +164,3 @@ class SeaweedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _config(env: dict[str, str]) -> dict[str, object]:
-    return {
-        "endpoint": env["AWS_ENDPOINT_URL"],
-        "access_key_id": env["AWS_ACCESS_KEY_ID"],
-        "secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
-        "region": env["AWS_REGION"],
-        "client_options": {"allow_http": True},
-    }

@@ -84,7 +84,7 @@ def gc(
     *,
     keep_versions: int | None = None,
     grace_s: float = 60.0,
-    before_delete: Callable[[], None] | None = None,
+    pause: Callable[[str], None] | None = None,
 ) -> GcReport:
     """Remove what no committed version references and no live writer may still publish.
 
@@ -96,7 +96,8 @@ def gc(
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only
-    ever added). before_delete: a test hook run between the checks and the deletions.
+    ever added). pause: a test hook, called with "listed" after the first manifest read and
+    "checked" after the liveness checks, to run a writer step exactly there.
     """
     report = GcReport()
     versions = list_versions(storage)
@@ -105,6 +106,8 @@ def gc(
     now = storage.now()
     latest = load_manifest(storage, versions[-1])
     referenced = {s.id for s in latest.segments}
+    if pause is not None:
+        pause("listed")
     dead = []
     for name in storage.list(paths.SEGMENTS):
         if name == "zarr.json" or name in referenced:
@@ -113,8 +116,8 @@ def gc(
             report.live_segments.append(name)
         else:
             dead.append(name)
-    if before_delete is not None:
-        before_delete()
+    if pause is not None:
+        pause("checked")
     referenced = {s.id for s in load_manifest(storage).segments}
     for name in dead:
         if name not in referenced:
@@ -128,7 +131,7 @@ def gc(
             age = now - storage.stat(key).modified
         except FileNotFoundError:
             continue  # its writer finished with it
-        if age > grace_s:  # a live writer's temp file lives for milliseconds
+        if age > grace_s + storage.clock_resolution_s:  # a writer's temp file lives for ms
             storage.delete(key)
             report.removed_files.append(key)
     if keep_versions is not None and keep_versions >= 1:
@@ -145,4 +148,4 @@ def _segment_is_live(storage: Storage, segment_id: str, *, now: float, grace_s: 
     lease = [o for o in objects if o.key == lease_key(segment_id)]
     if lease and lease_is_live(storage, lease[0], now):
         return True
-    return now - max(o.modified for o in objects) < grace_s
+    return now - max(o.modified for o in objects) < grace_s + storage.clock_resolution_s

@@ -27,6 +27,8 @@ from hsstore.format.store import ObjectInfo, Storage
 # How long a lease outlives its last heartbeat; HSSTORE_LEASE_TTL overrides it for every writer
 # of a process (gc reads each lease's own ttl from the lease, so mixed settings are safe).
 DEFAULT_TTL_S = float(os.environ.get("HSSTORE_LEASE_TTL", "60"))
+# A gap between refreshes this close to the ttl counts as a lapse (clock rates differ a little).
+LAPSE_MARGIN = 0.8
 
 
 def lease_key(segment_id: str) -> str:
@@ -41,7 +43,8 @@ class Lease:
     segment_id: str
     owner: str
     ttl_s: float
-    refreshed: float = 0.0  # time.monotonic() of the last successful write
+    refreshed: float = 0.0  # time.monotonic() when the last successful write started
+    lapsed: bool = False
 
     def _doc(self) -> bytes:
         return json.dumps(
@@ -64,20 +67,19 @@ class Lease:
 
     def refresh(self) -> None:
         started = time.monotonic()
+        if started - self.refreshed >= self.ttl_s * LAPSE_MARGIN:
+            # gc may already have judged this lease dead (and removed the segment): never
+            # publish on it, even though the refresh below would make it look live again.
+            self.lapsed = True
         self.storage.put(lease_key(self.segment_id), self._doc())
         self.refreshed = started
 
     def check_fresh(self) -> None:
-        """Refuse to publish on a lease gc may already have judged dead.
-
-        Called right after a refresh, just before the conditional create of a manifest: the
-        lease then has a whole ``ttl`` to run, which bounds the publish request (client
-        timeout 60 s default against the 60 s ttl plus gc's grace period on top).
-        """
-        if time.monotonic() - self.refreshed >= self.ttl_s:
+        """Refuse to publish on a lease that lapsed at any point since it was taken."""
+        if self.lapsed:
             raise ConflictError(
                 f"the writer's lease on segment {self.segment_id} lapsed (no heartbeat for "
-                f"{self.ttl_s:.0f}s); nothing was published",
+                f"{self.ttl_s:g}s, so gc may have removed it); nothing was published",
                 path=self.storage.path_of(paths.segment_dir(self.segment_id)),
             )
 
@@ -113,7 +115,11 @@ class LeaseKeeper:
         return self._leases[segment_id]
 
     def refresh_now(self, segment_ids: list[str]) -> None:
-        """Refresh these leases synchronously and check they are fresh (before a publish)."""
+        """Refresh these leases synchronously and check none ever lapsed (before a publish).
+
+        The fresh lease then has a whole ttl to run while the manifest's conditional create is
+        in flight; the protocol assumes that request lands within it (see docs/FORMAT.md).
+        """
         for seg_id in segment_ids:
             lease = self._leases[seg_id]
             lease.refresh()
@@ -154,4 +160,4 @@ def lease_is_live(storage: Storage, lease: ObjectInfo, now: float) -> bool:
         return False  # released meanwhile
     except (ValueError, KeyError, TypeError):
         pass  # unreadable: judge it by the default ttl
-    return now - lease.modified < ttl
+    return now - lease.modified < ttl + storage.clock_resolution_s

@@ -58,11 +58,17 @@ def _retry_config() -> dict[str, object]:
 
 
 def _client_options() -> dict[str, object]:
-    return {"connect_timeout": "5s", "timeout": "60s", "pool_max_idle_per_host": "64"}
+    options: dict[str, object] = {"connect_timeout": "5s", "timeout": "60s"}
+    # Explicit client options replace the ones obstore would take from the environment.
+    if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
+        options["allow_http"] = True
+    return options
 
 
 class ObjectStorage(Storage):
     """Keys under one ``scheme://bucket/prefix``."""
+
+    clock_resolution_s = 1.0  # Last-Modified is an HTTP date: whole seconds
 
     def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
         self.root = url.rstrip("/")
@@ -97,6 +103,8 @@ class ObjectStorage(Storage):
                 path=self.path_of(key),
             ) from None
         except BaseError as exc:
+            if _server_code(exc) == "NoSuchBucket":
+                raise StorageError("the bucket does not exist", path=self.root) from None
             raise StorageError(
                 f"storage request failed: {_first_line(exc)}", path=self.path_of(key)
             ) from None
@@ -167,7 +175,7 @@ class ObjectStorage(Storage):
         return True
 
     def list(self, prefix: str) -> list[str]:
-        folder = prefix.rstrip("/") + "/"
+        folder = prefix.rstrip("/") + "/" if prefix else None
         listing = self._call(
             prefix, lambda: obstore.list_with_delimiter(self._store, prefix=folder)
         )
@@ -176,7 +184,7 @@ class ObjectStorage(Storage):
         return sorted(names)
 
     def walk(self, prefix: str) -> Iterator[ObjectInfo]:
-        folder = prefix.rstrip("/") + "/"
+        folder = prefix.rstrip("/") + "/" if prefix else None
         stream = self._call(prefix, lambda: obstore.list(self._store, prefix=folder).collect())
         for meta in stream:
             yield ObjectInfo(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())

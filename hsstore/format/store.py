@@ -42,6 +42,8 @@ class Storage(abc.ABC):
     """Byte-level access to one dataset root."""
 
     root: str
+    # Granularity of `ObjectInfo.modified` and `now()`: liveness checks add it as slack.
+    clock_resolution_s: float = 0.0
 
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
