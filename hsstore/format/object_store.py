@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -93,20 +94,28 @@ class ObjectStorage(Storage):
         try:
             return fn()
         except FileNotFoundError as exc:
-            text = str(exc)
-            if "NoSuchBucket" in text:
-                raise StorageError("the bucket does not exist", path=self.root) from None
-            raise FileNotFoundError(2, "no such object", self.path_of(key)) from None
-        except (PermissionDeniedError, UnauthenticatedError) as exc:
-            raise StorageError(
-                f"access denied ({_server_code(exc) or 'check the credentials in the environment'})",
-                path=self.path_of(key),
-            ) from None
-        except BaseError as exc:
             if _server_code(exc) == "NoSuchBucket":
                 raise StorageError("the bucket does not exist", path=self.root) from None
+            raise FileNotFoundError(2, "no such object", self.path_of(key)) from None
+        except BaseError as exc:
+            code, status = _server_code(exc), _status(exc)
+            if code == "NoSuchBucket":
+                raise StorageError("the bucket does not exist", path=self.root) from None
+            if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or status in (
+                401,
+                403,
+            ):
+                raise StorageError(
+                    f"access denied ({code or status}; check the credentials in the environment)",
+                    path=self.path_of(key),
+                ) from None
+            if status is None:
+                raise StorageError(
+                    f"cannot reach the storage endpoint ({_reason(exc)})", path=self.path_of(key)
+                ) from None
             raise StorageError(
-                f"storage request failed: {_first_line(exc)}", path=self.path_of(key)
+                f"storage request failed (HTTP {status}{', ' + code if code else ''})",
+                path=self.path_of(key),
             ) from None
 
     # -- reading ---------------------------------------------------------------------------------
@@ -263,6 +272,17 @@ class ObjectStorage(Storage):
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
+
+
+def _status(exc: BaseException) -> int | None:
+    match = re.search(r"status code: (\d{3})", str(exc))
+    return int(match.group(1)) if match else None
+
+
+def _reason(exc: BaseException) -> str:
+    """The transport error at the end of obstore's first line (connection refused, timeout)."""
+    first = _first_line(exc)
+    return first.rsplit(" - ", 1)[-1].strip() or type(exc).__name__
 
 
 def _server_code(exc: BaseException) -> str | None:
