@@ -109,8 +109,12 @@ def test_conditional_create_has_one_winner(s3_url):
 def test_four_writer_processes_into_one_dataset(s3_url):
     _make(s3_url)
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, s3_url, f"w{k}", "12", "4"], cwd=ROOT,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, s3_url, f"w{k}", "12", "4"],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for k in range(4)
     ]
     for p in procs:
@@ -280,7 +284,10 @@ def test_storage_problems_are_one_line_exit_2(s3_url, s3_server, problem):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
         assert expect in lines[0] and url.split("/")[2] in lines[0], lines[0]
-        assert "not-the-secret" not in r.stderr and s3_server.env()["AWS_SECRET_ACCESS_KEY"] not in r.stderr
+        assert (
+            "not-the-secret" not in r.stderr
+            and s3_server.env()["AWS_SECRET_ACCESS_KEY"] not in r.stderr
+        )
 
 
 def test_unknown_scheme_is_refused(tmp_path):
