@@ -15,10 +15,12 @@ from pathlib import Path
 import obstore
 import pytest
 import torch
+from click.testing import CliRunner, Result
 from obstore.store import from_url
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.cli import main
 from hsstore.convert import read_lengths
 from hsstore.errors import HsstoreError, StorageError
 from hsstore.format import paths
@@ -58,9 +60,9 @@ def _sample(prefix: str, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return random_sample(20 + (i * 7) % 50, 2, 32, seed=seed)
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CLI, *args], cwd=ROOT, capture_output=True,
-                          text=True, env=env, timeout=120)  # fmt: skip
+def _cli(*args: str) -> Result:
+    """The command line in this process (the environment is the test's)."""
+    return CliRunner().invoke(main, list(args))
 
 
 @pytest.mark.parametrize("codec", ["blosc-zstd", "none"])
@@ -142,7 +144,7 @@ def test_flipped_byte_in_a_stored_object_is_named_by_verify(s3_url):
     assert not report.ok
     assert "s-0" in report.bad_samples
     r = _cli("verify", s3_url)
-    assert r.returncode == 1 and "s-0" in r.stdout
+    assert r.exit_code == 1 and "s-0" in r.stdout
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO to hold the convert mid-run")
@@ -186,13 +188,13 @@ def test_cli_and_loader_read_s3(s3_url, tmp_path):
         for i in range(10):
             w.add(f"s-{i}", *_sample("s", i))
     r = _cli("inspect", s3_url, "--json")
-    assert r.returncode in (0, 1), r.stderr
+    assert r.exit_code in (0, 1), r.output
     assert '"hsstore"' in r.stdout and s3_url in r.stdout
     r = _cli("verify", s3_url)
-    assert r.returncode == 0, r.stderr + r.stdout
+    assert r.exit_code == 0, r.output
     out = tmp_path / "v1"
     r = _cli("convert", s3_url, str(out), "--to", "speculators-v1", "--no-progress")
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == 0, r.output
     assert read_lengths(out) == {str(i): hsstore.open(s3_url).num_tokens_of(i) for i in range(10)}
     back = torch.load(out / "data_3.pt", weights_only=True)
     assert torch.equal(back["input_ids"], _sample("s", 3)[0].long())
@@ -201,7 +203,7 @@ def test_cli_and_loader_read_s3(s3_url, tmp_path):
     loader.close()
     assert sorted(seen) == list(range(10))
     r = _cli("gc", s3_url, "--grace", "0", "--json")
-    assert r.returncode == 0, r.stderr
+    assert r.exit_code == 0, r.output
 
 
 def test_local_cache_serves_the_second_epoch(s3_url, tmp_path, monkeypatch):
@@ -265,7 +267,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("problem", ["wrong secret", "missing bucket", "unreachable endpoint"])
-def test_storage_problems_are_one_line_exit_2(s3_url, s3_server, problem):
+def test_storage_problems_are_one_line_exit_2(s3_url, s3_server, problem, monkeypatch):
     _make(s3_url)
     env = {**os.environ, **s3_server.env(), "HSSTORE_RETRY_TIMEOUT": "2",
            "HSSTORE_STORAGE_RETRIES": "1"}  # fmt: skip
@@ -278,15 +280,24 @@ def test_storage_problems_are_one_line_exit_2(s3_url, s3_server, problem):
         url = s3_url.replace("s3://hsstore/", "s3://no-such-bucket/")
     else:
         env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{_free_port()}"
-    for args in (["inspect", url], ["verify", url], ["gc", url]):
-        r = _cli(*args, env=env)
-        assert r.returncode == 2, (args, r.stdout, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    # One real process (the installed entry point's behaviour), the other commands in process.
+    r = subprocess.run([sys.executable, "-c", CLI, "inspect", url], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    results = [(r.returncode, r.stderr)]
+    for name, value in env.items():
+        if name.startswith(("AWS_", "HSSTORE_")):
+            monkeypatch.setenv(name, value)
+    for args in (["verify", url], ["gc", url], ["convert", url, "unused-out", "--no-progress"]):
+        got = _cli(*args)
+        results.append((got.exit_code, got.stderr))
+    for code, stderr in results:
+        assert code == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr
         assert expect in lines[0] and url.split("/")[2] in lines[0], lines[0]
         assert (
-            "not-the-secret" not in r.stderr
-            and s3_server.env()["AWS_SECRET_ACCESS_KEY"] not in r.stderr
+            "not-the-secret" not in stderr
+            and s3_server.env()["AWS_SECRET_ACCESS_KEY"] not in stderr
         )
 
 
