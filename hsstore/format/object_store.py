@@ -43,6 +43,8 @@ T = TypeVar("T")
 # Objects this big go up in parts (never visible until the last part is in).
 MULTIPART_BYTES = 16 << 20
 PART_BYTES = 8 << 20
+# A read longer than two of these is split into concurrent ranged GETs.
+SPLIT_BYTES = 1 << 20
 CLOCK_PREFIX = ".hsstore-clock"
 
 
@@ -140,17 +142,21 @@ class ObjectStorage(Storage):
             return self._cache.local(key, self._fetch_whole).read_scatter(key, offset, buffers)
         if not want:
             return 0
-        data = memoryview(
-            self._call(key, lambda: obstore.get_range(self._store, key, start=offset, length=want))
-        )
-        done = 0
-        for buf in buffers:
-            n = min(len(buf), len(data) - done)
-            buf[:n] = data[done : done + n]
-            done += n
-            if n < len(buf):
-                break
-        return done
+        if want > 2 * SPLIT_BYTES:
+            # A long run goes as several ranged GETs at once (obstore sends them concurrently).
+            starts = list(range(offset, offset + want, SPLIT_BYTES))
+            ends = [min(s + SPLIT_BYTES, offset + want) for s in starts]
+            parts = self._call(
+                key,
+                lambda: obstore.get_ranges(self._store, key, starts=starts, ends=ends, coalesce=0),
+            )
+        else:
+            parts = [
+                self._call(
+                    key, lambda: obstore.get_range(self._store, key, start=offset, length=want)
+                )
+            ]
+        return _scatter([memoryview(p) for p in parts], buffers)
 
     def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
         """Several (offset, length) ranges of one object in one call; obstore coalesces near
@@ -267,6 +273,21 @@ class ObjectStorage(Storage):
         self.__init__(  # type: ignore[misc]
             state["root"], cache_dir=state["cache_dir"], cache_bytes=state["cache_bytes"]
         )
+
+
+def _scatter(parts: list[memoryview], buffers: list[memoryview]) -> int:
+    """Copy consecutive received pieces into consecutive buffers; returns the bytes placed."""
+    done = 0
+    b, at = 0, 0  # current buffer and the offset in it
+    for part in parts:
+        pos = 0
+        while pos < len(part) and b < len(buffers):
+            n = min(len(part) - pos, len(buffers[b]) - at)
+            buffers[b][at : at + n] = part[pos : pos + n]
+            pos, at, done = pos + n, at + n, done + n
+            if at == len(buffers[b]):
+                b, at = b + 1, 0
+    return done
 
 
 def _first_line(exc: BaseException) -> str:
