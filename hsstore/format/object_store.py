@@ -72,6 +72,9 @@ class ObjectStorage(Storage):
     """Keys under one ``scheme://bucket/prefix``."""
 
     clock_resolution_s = 1.0  # Last-Modified is an HTTP date: whole seconds
+    # obstore runs requests on a tokio runtime whose threads do not survive fork(): a forked
+    # child's requests hang (obstore and tokio document fork as unsupported).
+    fork_safe = False
 
     def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
         self.root = url.rstrip("/")

@@ -44,6 +44,9 @@ class Storage(abc.ABC):
     root: str
     # Granularity of `ObjectInfo.modified` and `now()`: liveness checks add it as slack.
     clock_resolution_s: float = 0.0
+    # Whether a process forked after this storage was used can still use storages of its kind
+    # (worker processes are spawned instead when not).
+    fork_safe: bool = True
 
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
