@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from hsstore.dataset import Dataset, storage_view
-from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
+from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError, HsstoreError
 from hsstore.format import commit, paths
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Manifest, SegmentInfo
@@ -229,7 +229,10 @@ class Writer:
                 raise
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
-            self.leases.drop(seg.id)  # after the publish: gc re-reads the manifest after this
+            # After the publish (gc re-reads the manifest after its lease check). A failed
+            # delete only leaves the lease to lapse: the commit itself succeeded.
+            with contextlib.suppress(HsstoreError, OSError):
+                self.leases.drop(seg.id)
             self._held.remove(seg.id)
             self._known_segments.add(seg.id)
         self._committed_ids |= my_ids
