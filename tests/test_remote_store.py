@@ -263,6 +263,8 @@ def test_server_stopped_mid_commit_then_restarted(s3_url, s3_server, monkeypatch
         w.close()
     finally:
         s3_server.start()
+    monkeypatch.delenv("HSSTORE_RETRY_TIMEOUT")  # the normal patience again
+    monkeypatch.delenv("HSSTORE_STORAGE_RETRIES")
     ds = hsstore.open(s3_url)
     assert ds.manifest.version == 2 and ds.sample_ids == [f"s-{i}" for i in range(4)]
     with ds.writer() as w:  # the rerun

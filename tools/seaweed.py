@@ -96,8 +96,13 @@ class SeaweedServer:
         # Like a real service: a missing bucket is an error, not created on first write.
         cmd += ["-s3.autoCreateBucket=false", f"-bucket={','.join(self.buckets)}"]
         cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        # Its unix sockets (seaweedfs-*-PORT.sock) go to the temp dir: keep them in ours.
+        cmd += [f"-filer.localSocket={self.workdir}/seaweedfs-filer.sock"]
+        cmd += [f"-s3.localSocket={self.workdir}/seaweedfs-s3.sock"]
         env = dict(os.environ)
-        env.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        env.update(
+            AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, TMPDIR=str(self.workdir)
+        )
         out = open(self.workdir / "weed.out", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
             cmd, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT
@@ -123,7 +128,8 @@ class SeaweedServer:
         return True
 
     def _buckets_ready(self) -> bool:
-        """Buckets named by -bucket appear a moment after the gateway answers."""
+        """Buckets named by -bucket appear a moment after the gateway answers, and after a
+        restart the volume server takes a moment longer to serve the data again."""
         import obstore
         from obstore.store import S3Store
 
@@ -137,8 +143,12 @@ class SeaweedServer:
                 region=REGION,
                 client_options={"allow_http": True},
             )
-            try:
+            try:  # listing, writing and reading back: the whole path is up (not only a 500)
                 obstore.list_with_delimiter(store, prefix="probe/")
+                obstore.put(store, ".probe", b"ok")
+                if bytes(obstore.get(store, ".probe").bytes()) != b"ok":
+                    return False
+                obstore.delete(store, ".probe")
             except Exception:  # noqa: BLE001 - not there yet
                 return False
         return True
