@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -162,11 +163,17 @@ class SeaweedServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        # It leaves unix sockets named seaweedfs-*-PORT.sock behind.
-        for folder in (self.workdir, self.workdir / "data"):
+        # It leaves unix sockets named seaweedfs-*-PORT.sock behind: the ones it was told
+        # to put here, and its gRPC ones in the system temp dir (named after our ports).
+        folders = {self.workdir, self.workdir / "data", Path(tempfile.gettempdir()), Path("/tmp")}
+        for folder in folders:
             for sock in folder.glob("seaweedfs-*.sock"):
-                with contextlib.suppress(FileNotFoundError):
-                    sock.unlink()
+                port = sock.stem.rsplit("-", 1)[-1]
+                if folder in (self.workdir, self.workdir / "data") or (
+                    port.isdigit() and int(port) in self.ports.values()
+                ):
+                    with contextlib.suppress(FileNotFoundError):
+                        sock.unlink()
 
     def __enter__(self) -> SeaweedServer:
         self.start()
