@@ -136,13 +136,13 @@ class LeaseKeeper:
         while not self._stop.wait(self.ttl_s / 3):
             if self.before_heartbeat is not None:
                 self.before_heartbeat()
+            # Under the lock: a lease dropped (committed, aborted) is never written again.
             with self._lock:
-                leases = list(self._leases.values())
-            for lease in leases:
-                try:
-                    lease.refresh()
-                except Exception:  # noqa: BLE001 - a failed beat is retried on the next one
-                    continue
+                for lease in list(self._leases.values()):
+                    try:
+                        lease.refresh()
+                    except Exception:  # noqa: BLE001 - a failed beat is retried on the next one
+                        continue
 
     def close(self) -> None:
         self._stop.set()
