@@ -78,7 +78,10 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 def verify(
-    path: str | os.PathLike[str] | Storage, *, workers: int | None = None, progress: Progress | None = None
+    path: str | os.PathLike[str] | Storage,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Re-read everything committed; never raises for data problems, returns them instead."""
     from hsstore.dataset import Dataset
@@ -133,7 +136,9 @@ def verify(
                 segment_ok = segment_ok and relpath.startswith(f"{paths.STATES}/c/")
         if segment_ok:
             good_segments.append(seg)
-    ds = Dataset(storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments)))
+    ds = Dataset(
+        storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
+    )
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
     todo = list(range(len(ds)))

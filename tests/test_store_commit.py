@@ -41,7 +41,12 @@ WRITER = textwrap.dedent(
 
 
 def _spawn(
-    path: Path, prefix: str, n: int, commit_every: int = 0, pause: float = 0.0, lease_ttl: str = "60"
+    path: Path,
+    prefix: str,
+    n: int,
+    commit_every: int = 0,
+    pause: float = 0.0,
+    lease_ttl: str = "60",
 ) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WRITER, str(path), prefix, str(n), str(commit_every), str(pause)],

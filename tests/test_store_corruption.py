@@ -28,7 +28,8 @@ def _build(path: Path, codec: str) -> hsstore.Dataset:
 def _shards(ds: hsstore.Dataset) -> list[Path]:
     seg = ds.manifest.segments[0].id
     return sorted(
-        (Path(ds.path) / "segments" / seg / "states" / "c").glob("*/0/0"), key=lambda p: int(p.parts[-3])
+        (Path(ds.path) / "segments" / seg / "states" / "c").glob("*/0/0"),
+        key=lambda p: int(p.parts[-3]),
     )
 
 

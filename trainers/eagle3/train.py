@@ -39,7 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m trainers.eagle3", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--data", required=True, help="hsstore dataset: a path or s3://, gs://, az:// URL")
+    p.add_argument(
+        "--data", required=True, help="hsstore dataset: a path or s3://, gs://, az:// URL"
+    )
     p.add_argument(
         "--target", help="local target model dir (safetensors): soft targets + embedding"
     )
