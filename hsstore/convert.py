@@ -19,6 +19,7 @@ from typing import Any
 
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError, HsstoreError
+from hsstore.format.store import Storage, is_url, open_storage
 from hsstore.io import (
     EXPORT_FORMATS,
     HSSTORE,
@@ -81,17 +82,19 @@ class ConvertResult:
 # ------------------------------------------------------------------------------ into hsstore
 
 
-def _open_or_create(reader: ForeignReader, dst: Path, *, model_name: str | None, codec: str | None):
+def _open_or_create(
+    reader: ForeignReader, dst: Storage, *, model_name: str | None, codec: str | None
+):
     import hsstore
 
-    if dst.exists() and any(dst.iterdir()):
+    if dst.list(""):
         try:
             ds = hsstore.open(dst)
         except HsstoreError as exc:
             raise BadInputError(
                 f"destination exists and is not an hsstore dataset ({exc.message}); "
                 "choose a new path or an existing dataset to resume",
-                path=str(dst),
+                path=dst.root,
             ) from None
         _check_compatible(ds, reader, dst)
         return ds
@@ -112,11 +115,11 @@ def _open_or_create(reader: ForeignReader, dst: Path, *, model_name: str | None,
     )
 
 
-def _check_compatible(ds: Dataset, reader: ForeignReader, dst: Path) -> None:
+def _check_compatible(ds: Dataset, reader: ForeignReader, dst: Storage) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
     # The source's layer count may be inferred from its ids, so it is not compared.
     ds.manifest.check_compatible(
-        reader.layers, hidden_size=reader.hidden_size, dtype=reader.dtype, path=str(dst)
+        reader.layers, hidden_size=reader.hidden_size, dtype=reader.dtype, path=dst.root
     )
 
 
@@ -150,7 +153,7 @@ def convert_to_hsstore(
     if commit_every < 1 or commit_bytes < 1:
         raise ValueError("commit_every and commit_bytes must be >= 1")
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    src, dst_storage = Path(src), open_storage(dst)  # the dataset may live at a URL
     reader = open_foreign(
         src,
         fmt=fmt,
@@ -158,11 +161,11 @@ def convert_to_hsstore(
         num_hidden_layers=num_hidden_layers,
         hidden_states_path=hidden_states_path,
     )
-    ds = _open_or_create(reader, dst, model_name=model_name, codec=codec)
+    ds = _open_or_create(reader, dst_storage, model_name=model_name, codec=codec)
     present = set(ds.sample_ids)
     ids = reader.sample_ids()
     todo = [i for i, sid in enumerate(ids) if sid not in present]
-    result = ConvertResult(str(src), reader.format, str(dst), HSSTORE)
+    result = ConvertResult(str(src), reader.format, dst_storage.root, HSSTORE)
     result.already_present = len(ids) - len(todo)
     names = reader.names()
     recorded = _recorded_skips(ds)
@@ -291,8 +294,9 @@ def export(
     import hsstore
 
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    ds = hsstore.open(src)
+    out = Path(out)
+    ds = hsstore.open(src)  # a path or URL
+    src = ds.path
     model = ds.manifest.model
     n = num_hidden_layers or (model.num_hidden_layers if model else None)
     if not n:
@@ -370,7 +374,8 @@ def convert(
 
     An option that means nothing in the chosen direction is refused, never silently dropped.
     """
-    src_format = src_format or detect_format(src)
+    # Foreign formats are local directories; a URL source can only be an hsstore dataset.
+    src_format = src_format or (HSSTORE if is_url(src) else detect_format(src))
     given = {k for k, v in kwargs.items() if v is not None and v is not False}
     if src_format == HSSTORE:
         dst_format = dst_format or SPECULATORS_V1

@@ -10,7 +10,6 @@ import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,10 +22,10 @@ from hsstore.errors import (
     BadInputError,
     ConflictError,
     IntegrityError,
-    NotADatasetError,
 )
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
+from hsstore.format.lease import DEFAULT_TTL_S
 from hsstore.format.manifest import (
     DTYPES,
     Layout,
@@ -36,7 +35,7 @@ from hsstore.format.manifest import (
     now_iso,
     storage_view,
 )
-from hsstore.format.store import LocalStorage
+from hsstore.format.store import Storage, open_storage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
@@ -61,7 +60,7 @@ class Sample:
 
 
 def create(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Storage,
     *,
     layers: Sequence[LayerSpec | Mapping[str, Any]],
     hidden_size: int,
@@ -75,7 +74,11 @@ def create(
     provenance: Mapping[str, Any] | None = None,
     exist_ok: bool = False,
 ) -> Dataset:
-    """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one."""
+    """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
+
+    ``path`` is a local path or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
+    ``file://``); see docs/STORAGE.md.
+    """
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
         raise BadInputError(f"hidden_size must be an integer, got {hidden_size!r}", path=str(path))
     if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
@@ -133,13 +136,12 @@ def create(
         layout=layout,
         provenance=dict(provenance or {}),
     )
-    storage = LocalStorage(path)
+    storage = open_storage(path)
     data = man.to_bytes()
     if commit.list_versions(storage):
         if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=str(path))
-        return _open_compatible(path, man)
-    os.makedirs(storage.root, exist_ok=True)
+            raise ConflictError("a dataset already exists here", path=storage.root)
+        return _open_compatible(storage, man)
     for key, doc in (
         (
             paths.ROOT_ZARR_JSON,
@@ -150,27 +152,30 @@ def create(
         storage.put_if_absent(key, doc)
     if not storage.put_if_absent(paths.manifest_key(1), data):
         if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=str(path))
-        return _open_compatible(path, man)
-    return Dataset(path)
+            raise ConflictError("a dataset already exists here", path=storage.root)
+        return _open_compatible(storage, man)
+    return Dataset(storage)
 
 
-def _open_compatible(path: str | os.PathLike[str], wanted: Manifest) -> Dataset:
-    ds = Dataset(path)
+def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
+    ds = Dataset(storage)
     ds.manifest.check_compatible(
         wanted.layers,
         hidden_size=wanted.hidden_size,
         dtype=wanted.dtype,
         num_hidden_layers=wanted.model.num_hidden_layers,
-        path=str(path),
+        path=storage.root,
     )
     return ds
 
 
 def open(
-    path: str | os.PathLike[str], *, version: int | None = None, verify_reads: bool = True
+    path: str | os.PathLike[str] | Storage,
+    *,
+    version: int | None = None,
+    verify_reads: bool = True,
 ) -> Dataset:  # noqa: A001
-    """Open the latest committed version (or ``version``) of a dataset."""
+    """Open the latest committed version (or ``version``) of a dataset at a path or URL."""
     return Dataset(path, version=version, verify_reads=verify_reads)
 
 
@@ -184,17 +189,16 @@ class Dataset:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Storage,
         *,
         version: int | None = None,
         verify_reads: bool = True,
         manifest: Manifest | None = None,
     ):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            what = "not a directory" if self.path.exists() else "no such dataset directory"
-            raise NotADatasetError(what, path=str(path))
-        self.storage = LocalStorage(self.path)
+        self.storage = open_storage(path)
+        self.storage.check_root()
+        # Where the dataset lives, as given: a local path or a URL.
+        self.path: str = self.storage.root
         self.verify_reads = verify_reads
         self._load(
             manifest if manifest is not None else commit.load_manifest(self.storage, version)
@@ -248,10 +252,10 @@ class Dataset:
             self._load(latest)
         return self
 
-    # -- pickling: worker processes re-open from the path ----------------------------------
+    # -- pickling: worker processes re-open from the storage (its location, no handles) ------
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "path": str(self.path),
+            "path": self.storage,
             "version": self.manifest.version,
             "verify": self.verify_reads,
         }
@@ -410,15 +414,30 @@ class Dataset:
         ):
             raise IntegrityError(
                 "sample checksum mismatch (corrupted bytes)",
-                path=str(self.path / paths.segment_dir(reader.info.id)),
+                path=self.storage.path_of(paths.segment_dir(reader.info.id)),
                 sample_id=self.sample_ids[i],
             )
         return ids, mask, out
 
     # -- writing -------------------------------------------------------------------------------
-    def writer(self, *, segment_bytes: int = 2 << 30, encode_threads: int | None = None) -> Writer:
-        """A writer that appends segments of its own; use as a context manager."""
-        return Writer(self, segment_bytes=segment_bytes, encode_threads=encode_threads)
+    def writer(
+        self,
+        *,
+        segment_bytes: int = 2 << 30,
+        encode_threads: int | None = None,
+        lease_ttl_s: float | None = None,
+    ) -> Writer:
+        """A writer that appends segments of its own; use as a context manager.
+
+        lease_ttl_s: how long gc must see no heartbeat before it may judge this writer's
+        segments dead (default 60 s, or ``$HSSTORE_LEASE_TTL``).
+        """
+        return Writer(
+            self,
+            segment_bytes=segment_bytes,
+            encode_threads=encode_threads,
+            lease_ttl_s=lease_ttl_s or DEFAULT_TTL_S,
+        )
 
     def close(self) -> None:
         self.storage.close()

@@ -74,3 +74,7 @@ class ConventionError(BadInputError, ValueError):
 class LoaderStateError(HsstoreError):
     """A saved loader state does not fit this loader: it was saved for another dataset version,
     world size or plan settings, or by a newer hsstore."""
+
+
+class StorageError(HsstoreError):
+    """The storage behind a dataset refused or failed a request (credentials, bucket, network)."""

@@ -23,7 +23,7 @@ import numpy as np
 from hsstore.errors import HsstoreError
 from hsstore.format import commit, paths
 from hsstore.format.manifest import Manifest
-from hsstore.format.store import LocalStorage
+from hsstore.format.store import Storage, open_storage
 from hsstore.segment import SegmentReader
 
 
@@ -81,14 +81,18 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 def verify(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: Progress | None = None
+    path: str | os.PathLike[str] | Storage,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Re-read everything committed; never raises for data problems, returns them instead."""
     from hsstore.dataset import Dataset
 
     t0 = time.perf_counter()
-    storage = LocalStorage(path)
-    report = VerifyReport(path=str(path), version=None)
+    storage = open_storage(path)
+    path = storage.root
+    report = VerifyReport(path=path, version=None)
     manifest = _check_manifests(storage, report)
     if manifest is None:
         report.seconds = time.perf_counter() - t0
@@ -115,7 +119,7 @@ def verify(
             good_segments.append(seg)
     try:
         ds = Dataset(
-            path, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
+            storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
         )
     except HsstoreError as exc:
         report.problems.append(Problem("file", exc.path or str(path), exc.message))
@@ -147,7 +151,7 @@ def verify(
     return report
 
 
-def _check_manifests(storage: LocalStorage, report: VerifyReport) -> Manifest | None:
+def _check_manifests(storage: Storage, report: VerifyReport) -> Manifest | None:
     """The dataset's own metadata: group documents, the version history, the latest manifest.
     Reads the files that make the latest version (a checkpoint and the deltas after it), not
     the whole history; returns the latest manifest, or None when there is none to check."""
@@ -203,7 +207,7 @@ def _check_manifests(storage: LocalStorage, report: VerifyReport) -> Manifest | 
     return manifest
 
 
-def _checkpoint_problem(storage: LocalStorage, version: int, latest: Manifest) -> str | None:
+def _checkpoint_problem(storage: Storage, version: int, latest: Manifest) -> str | None:
     """A checkpoint is redundant (readers pass a bad one over): it must load and be a prefix
     of the latest version."""
     try:
@@ -220,7 +224,7 @@ def _checkpoint_problem(storage: LocalStorage, version: int, latest: Manifest) -
     return None
 
 
-def _written_by_format_1(storage: LocalStorage, oldest: int) -> bool:
+def _written_by_format_1(storage: Storage, oldest: int) -> bool:
     try:
         first = commit.read_version(storage, oldest)
     except HsstoreError:
@@ -228,7 +232,7 @@ def _written_by_format_1(storage: LocalStorage, oldest: int) -> bool:
     return isinstance(first, Manifest) and first.format_version == 1
 
 
-def _group_document_problem(storage: LocalStorage, key: str) -> str | None:
+def _group_document_problem(storage: Storage, key: str) -> str | None:
     try:
         doc = json.loads(storage.read_bytes(key))
     except FileNotFoundError:
@@ -297,7 +301,10 @@ def _row_mapper(reader: SegmentReader) -> tuple[Callable[[int, int], list[str]],
 
 
 def gc(
-    path: str | os.PathLike[str], *, keep_versions: int | None = None, grace_s: float = 60.0
+    path: str | os.PathLike[str] | Storage,
+    *,
+    keep_versions: int | None = None,
+    grace_s: float = 60.0,
 ) -> commit.GcReport:
     """Remove debris left by crashed writers (never anything a committed version references)."""
-    return commit.gc(LocalStorage(path), keep_versions=keep_versions, grace_s=grace_s)
+    return commit.gc(open_storage(path), keep_versions=keep_versions, grace_s=grace_s)

@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError
+from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError, HsstoreError
 from hsstore.format import commit, paths
+from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Manifest, SegmentInfo, storage_view
 from hsstore.segment import SegmentReader
 from hsstore.segment_writer import SegmentWriter, ShardFlusher
 
 if TYPE_CHECKING:  # the Dataset makes its writers (ds.writer()); a writer only uses its view
     from hsstore.dataset import Dataset
+
 # Sample ids and source names are stored as UTF-8 in every segment index; one that cannot be
 # encoded would fail every commit of the writer that accepted it, so add() refuses it.
 MAX_TEXT_BYTES = 4096
@@ -41,12 +43,6 @@ def _shorten(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:80]) + "..."
 
 
-def _release_locks(locks: dict[str, commit.SegmentLock]) -> None:
-    for lock in locks.values():
-        lock.release()
-    locks.clear()
-
-
 class Writer:
     """Appends samples to a dataset; ``commit()`` publishes them atomically.
 
@@ -56,7 +52,14 @@ class Writer:
     is already committed, or added twice, raises DuplicateSampleError.
     """
 
-    def __init__(self, ds: Dataset, *, segment_bytes: int, encode_threads: int | None):
+    def __init__(
+        self,
+        ds: Dataset,
+        *,
+        segment_bytes: int,
+        encode_threads: int | None,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+    ):
         self.ds = ds
         ds.refresh()
         self.storage = ds.storage
@@ -75,13 +78,16 @@ class Writer:
         self._committed_ids = set(ds.sample_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
-        self._locks: dict[str, commit.SegmentLock] = {}
+        # A lease per segment this writer is filling, refreshed until it is committed; gc never
+        # removes a leased segment (see hsstore.format.lease).
+        self.leases = LeaseKeeper(self.storage, ttl_s=lease_ttl_s)
+        self._held: list[str] = []
         self._finished: list[SegmentInfo] = []
         self._skipped: list[dict[str, str]] = []
         self._bytes_committed = 0
         self._closed = False
         # A writer dropped without close() must not keep its segments locked until exit.
-        self._release_at_gc = weakref.finalize(self, _release_locks, self._locks)
+        self._release_at_gc = weakref.finalize(self, self.leases.release_all)
 
     # -- adding ----------------------------------------------------------------------------
     def add(
@@ -192,7 +198,8 @@ class Writer:
     # -- segments ----------------------------------------------------------------------------
     def _new_segment(self) -> SegmentWriter:
         seg_id = uuid.uuid4().hex
-        self._locks[seg_id] = commit.SegmentLock(self.storage, seg_id)
+        self.leases.acquire(seg_id)  # before any file of the segment exists
+        self._held.append(seg_id)
         return SegmentWriter(self.storage, self.manifest, seg_id, self._flusher)
 
     def _finish_segment(self) -> None:
@@ -209,8 +216,16 @@ class Writer:
         mine = list(self._finished)
         my_ids = set(self._new_ids)
         skipped = list(self._skipped)
+        refused: list[BaseException] = []
 
         def build_next(latest: Manifest) -> Manifest:
+            try:
+                return _build_next(latest)
+            except BaseException as exc:
+                refused.append(exc)  # raised before this attempt's put: nothing published
+                raise
+
+        def _build_next(latest: Manifest) -> Manifest:
             for seg in latest.segments:
                 if seg.id in self._known_segments:
                     continue
@@ -230,18 +245,36 @@ class Writer:
             provenance = dict(latest.provenance)
             if skipped:
                 provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
+            # Last step before the conditional create: a fresh lease has a whole ttl to run,
+            # so gc cannot judge these segments dead while the put is in flight.
+            self.leases.refresh_now([seg.id for seg in mine])
             return latest.with_segments(
                 latest.segments + tuple(mine), provenance, latest.version + 1
             )
 
         try:
             published = commit.publish(self.storage, build_next, base=self.manifest)
-        except ConflictError:
-            self.abort()
-            raise
+        except BaseException as exc:
+            if refused and refused[-1] is exc:
+                # Refused before any put of this commit: certainly unpublished.
+                if isinstance(exc, ConflictError):
+                    self.abort()
+                raise
+            # The put itself failed: the version may or may not be in place. A published
+            # segment must never be deleted, so keep the files and let the leases lapse;
+            # gc removes them later if the commit did not land.
+            if self._landed(mine):
+                published = commit.load_manifest(self.storage)
+            else:
+                self._leave_to_gc()
+                raise
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
-            self._locks.pop(seg.id).release()
+            # After the publish (gc re-reads the manifest after its lease check). A failed
+            # delete only leaves the lease to lapse: the commit itself succeeded.
+            with contextlib.suppress(HsstoreError, OSError):
+                self.leases.drop(seg.id)
+            self._held.remove(seg.id)
             self._known_segments.add(seg.id)
         self._committed_ids |= my_ids
         self._new_ids.clear()
@@ -251,16 +284,41 @@ class Writer:
         self.ds.refresh(to=published)
         return published
 
+    def _landed(self, mine: list[SegmentInfo]) -> bool:
+        """Whether the latest version references these segments (a publish that raised late)."""
+        try:
+            latest = commit.load_manifest(self.storage)
+        except Exception:  # noqa: BLE001 - cannot tell: treat as maybe published
+            return False
+        have = {s.id for s in latest.segments}
+        return all(seg.id in have for seg in mine)
+
+    def _leave_to_gc(self) -> None:
+        """Forget uncommitted segments without deleting them (they may be published)."""
+        with contextlib.suppress(Exception):
+            self._flusher.wait()
+        for seg_id in self._held:
+            self.leases.drop(seg_id, delete=False)
+        self._held.clear()
+        self._segment = None
+        self._finished.clear()
+        self._new_ids.clear()
+        self._skipped.clear()
+
     def abort(self) -> None:
-        """Drop every segment not yet committed (its files are deleted)."""
+        """Drop every segment not yet committed (its files are deleted).
+
+        Only ever called when no put of those segments' manifest has been attempted, or every
+        attempt was refused, so nothing deleted here can be referenced by a version.
+        """
         with contextlib.suppress(Exception):
             self._flusher.wait()  # a shard still being written would re-create the folder
         self._segment = None
         self._finished.clear()
-        for seg_id, lock in list(self._locks.items()):
-            self.storage.delete_tree(paths.segment_dir(seg_id))
-            lock.release()
-        self._locks.clear()
+        for seg_id in self._held:
+            self.storage.delete_tree(paths.segment_dir(seg_id))  # the lease goes with it
+            self.leases.drop(seg_id, delete=False)
+        self._held.clear()
         self._new_ids.clear()
         self._skipped.clear()
 

@@ -23,7 +23,8 @@ def test_gc_cli_removes_only_debris(tmp_path):
     debris = path / "segments" / ("f" * 32)
     (debris / "states").mkdir(parents=True)
     (debris / "states" / "junk").write_bytes(b"x" * 100)
-    os.utime(debris, (0, 0))  # old and lock-less: a writer that died before taking its lock
+    # old and lease-less: debris of a writer that died long ago
+    os.utime(debris / "states" / "junk", (0, 0))
     result = CliRunner().invoke(main, ["gc", str(path), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,7 +288,7 @@ def test_cuda_request_without_cuda_falls_back(ds):
 
 def test_corrupted_bytes_surface_in_the_consumer(tmp_path):
     bad = _write(tmp_path / "bad", [12], seed=1)
-    shards = sorted(p for p in bad.path.rglob("states/c/*/0/0"))
+    shards = sorted(p for p in Path(bad.path).rglob("states/c/*/0/0"))
     data = bytearray(shards[0].read_bytes())
     mid = len(data) // 3
     data[mid : mid + 64] = bytes(64)

@@ -41,11 +41,17 @@ WRITER = textwrap.dedent(
 
 
 def _spawn(
-    path: Path, prefix: str, n: int, commit_every: int = 0, pause: float = 0.0
+    path: Path,
+    prefix: str,
+    n: int,
+    commit_every: int = 0,
+    pause: float = 0.0,
+    lease_ttl: str = "60",
 ) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WRITER, str(path), prefix, str(n), str(commit_every), str(pause)],
         cwd=ROOT,
+        env={**os.environ, "HSSTORE_LEASE_TTL": lease_ttl},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -77,7 +83,7 @@ def test_four_processes_write_one_dataset(tmp_path):
 def test_kill_9_mid_segment_loses_nothing_committed(tmp_path):
     path = tmp_path / "ds"
     _make(path)
-    proc = _spawn(path, "k", 10_000, commit_every=5, pause=0.01)
+    proc = _spawn(path, "k", 10_000, commit_every=5, pause=0.01, lease_ttl="0.5")
     assert proc.stdout is not None
     seen = 0
     while seen < 3:  # let it commit three times, then kill it mid-way through the next segment
@@ -100,7 +106,8 @@ def test_kill_9_mid_segment_loses_nothing_committed(tmp_path):
         set(os.listdir(path / "segments")) - {s.id for s in ds.manifest.segments} - {"zarr.json"}
     )
     assert debris, "the killed writer should have left an uncommitted segment behind"
-    report = hsstore.gc(path)
+    time.sleep(0.6)  # the dead writer's lease lapses (no heartbeat since the kill)
+    report = hsstore.gc(path, grace_s=0)
     assert set(report.removed_segments) == debris
     assert set(os.listdir(path / "segments")) == {s.id for s in ds.manifest.segments} | {
         "zarr.json"

@@ -29,7 +29,8 @@ def _build(path: Path, codec: str) -> hsstore.Dataset:
 def _shards(ds: hsstore.Dataset) -> list[Path]:
     seg = ds.manifest.segments[0].id
     return sorted(
-        (ds.path / "segments" / seg / "states" / "c").glob("*/0/0"), key=lambda p: int(p.parts[-3])
+        (Path(ds.path) / "segments" / seg / "states" / "c").glob("*/0/0"),
+        key=lambda p: int(p.parts[-3]),
     )
 
 
@@ -92,7 +93,7 @@ def test_missing_shard(tmp_path):
 
 def test_corrupted_index_file(tmp_path):
     ds = _build(tmp_path / "ds", "none")
-    index = ds.path / "segments" / ds.manifest.segments[0].id / "index.parquet"
+    index = Path(ds.path) / "segments" / ds.manifest.segments[0].id / "index.parquet"
     data = bytearray(index.read_bytes())
     data[len(data) // 2] ^= 0xFF
     index.write_bytes(bytes(data))

@@ -6,8 +6,8 @@ tokens (or everything), measures per-layer statistics and runs one check per fau
 an OK / WARN / FAIL verdict and a one-line reason. See docs/INSPECT.md.
 """
 
+from hsstore.audit.inputs import AuditSource, open_audit_source
 from hsstore.audit.run import SCHEMA_ID, AuditOptions, AuditResult, audit, run_audit
-from hsstore.audit.source import AuditSource, open_audit_source
 from hsstore.audit.verdict import CheckResult, Verdict
 
 __all__ = [

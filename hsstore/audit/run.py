@@ -12,10 +12,10 @@ from tqdm import tqdm
 
 from hsstore.audit import alignment, checks
 from hsstore.audit.collect import Collected, Collector, SampleRecord
+from hsstore.audit.inputs import AuditSource, open_audit_source
 from hsstore.audit.lm_head import OutputHead, load_output_head
 from hsstore.audit.norm_fit import rows_needed
 from hsstore.audit.sampling import plan_reads
-from hsstore.audit.source import AuditSource, open_audit_source
 from hsstore.audit.summary import build_summary
 from hsstore.audit.verdict import CheckResult, Verdict, skip, worst
 from hsstore.errors import BadInputError, HsstoreError

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from hsstore.audit.collect import SampleRecord
-from hsstore.audit.source import AuditSource
+from hsstore.audit.inputs import AuditSource
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 

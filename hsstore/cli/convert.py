@@ -1,4 +1,7 @@
-"""`hsstore convert SRC DST`: foreign hidden states into hsstore, or an hsstore dataset out."""
+"""`hsstore convert SRC DST`: foreign hidden states into hsstore, or an hsstore dataset out.
+
+An hsstore dataset (DST of an import, SRC of an export) may be a URL (s3://, gs://, az://).
+"""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ def _parse_ids(value: str | None) -> list[int] | None:
 
 
 @click.command("convert")
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("src", type=str)
+@click.argument("dst", type=str)
 @click.option(
     "--from", "src_format", type=click.Choice(FORMATS), help="Source format (default: detected)."
 )
@@ -88,8 +91,8 @@ def _parse_ids(value: str | None) -> list[int] | None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @handle_errors
 def command(
-    src: Path,
-    dst: Path,
+    src: str,
+    dst: str,
     src_format: str | None,
     dst_format: str | None,
     fp8: bool,
@@ -111,7 +114,7 @@ def command(
 
     def report(name: str, reason: str) -> None:
         label = "skipped" if on_error == "skip" else "bad input"
-        click.echo(f"{label}: {src / name}: {reason}", err=True)
+        click.echo(f"{label}: {Path(src) / name}: {reason}", err=True)
 
     # With --on-error fail, ConvertFailed reaches handle_errors after report() listed each file.
     result = convert(

@@ -8,7 +8,7 @@ from hsstore.cli._common import emit_json, handle_errors
 
 
 @click.command("gc")
-@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", type=str)
 @click.option(
     "--keep-versions",
     type=int,
@@ -20,7 +20,7 @@ from hsstore.cli._common import emit_json, handle_errors
     type=float,
     default=60.0,
     show_default=True,
-    help="Seconds a lock-less new segment is presumed live.",
+    help="Seconds an unreferenced segment must sit untouched (and unleased) before removal.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors

@@ -11,16 +11,15 @@ readers never look at and `gc` removes.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from hsstore.errors import FormatError, HsstoreError, IntegrityError, NotADatasetError
 from hsstore.format import paths
+from hsstore.format.lease import lease_is_live, lease_key
 from hsstore.format.manifest import FORMAT_VERSION, Delta, Manifest, load_document
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import TEMP_PREFIX, Storage
 
 # Every CHECKPOINT_EVERY versions the committer also writes the folded state, so loading any
 # version reads one checkpoint and at most CHECKPOINT_EVERY - 1 deltas.
@@ -209,45 +208,6 @@ def _catch_up(storage: Storage, latest: Manifest) -> Manifest:
             latest = latest.apply(doc, where=storage.path_of(key))
 
 
-class SegmentLock:
-    """Held by a live writer on each segment it is filling, until that segment is committed.
-
-    gc treats an unreferenced segment as debris only when it can take this lock, i.e. when
-    the writer that made it is gone (the kernel drops flock locks of a killed process).
-    """
-
-    def __init__(self, storage: LocalStorage, segment_id: str):
-        folder = os.path.join(storage.root, paths.segment_dir(segment_id))
-        os.makedirs(folder, exist_ok=False)
-        self._fd = os.open(os.path.join(folder, paths.WRITING_LOCK), os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _segment_is_live(storage: LocalStorage, segment_id: str, *, grace_s: float) -> bool:
-    folder = os.path.join(storage.root, paths.segment_dir(segment_id))
-    lock = os.path.join(folder, paths.WRITING_LOCK)
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        # A writer creates the lock right after the folder; give a just-born folder time.
-        try:
-            return time.time() - os.stat(folder).st_mtime < grace_s
-        except FileNotFoundError:
-            return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
 @dataclass
 class GcReport:
     removed_segments: list[str] = field(default_factory=list)
@@ -257,40 +217,61 @@ class GcReport:
 
 
 def gc(
-    storage: LocalStorage, *, keep_versions: int | None = None, grace_s: float = 60.0
+    storage: Storage,
+    *,
+    keep_versions: int | None = None,
+    grace_s: float = 60.0,
+    pause: Callable[[str], None] | None = None,
 ) -> GcReport:
-    """Remove what no committed version references and no live writer holds.
+    """Remove what no committed version references and no live writer may still publish.
+
+    An unreferenced segment is debris only when its lease (``.writing``) has lapsed or is gone
+    AND its newest object is older than ``grace_s``, both on the storage's clock; a temporary
+    file only when it is older than ``grace_s``. The latest version is re-read after those
+    checks and just before deleting, so a segment whose writer committed meanwhile is kept (a
+    writer publishes before it drops its lease). See docs/FORMAT.md, "Commits, leases and gc".
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only
-    ever added).
+    ever added). pause: a test hook, called with "listed" after the first manifest read and
+    "checked" after the liveness checks, to run a writer step exactly there.
     """
     report = GcReport()
     versions = list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset", path=storage.root)
     check_not_rolled_back(storage, versions[-1])  # a rolled-back commit's segment is not debris
+    now = storage.now()
     latest = load_manifest(storage, versions[-1])
     referenced = {s.id for s in latest.segments}
+    if pause is not None:
+        pause("listed")
     dead = []
     for name in storage.list(paths.SEGMENTS):
         if name == "zarr.json" or name in referenced:
             continue
-        if _segment_is_live(storage, name, grace_s=grace_s):
+        if _segment_is_live(storage, name, now=now, grace_s=grace_s):
             report.live_segments.append(name)
         else:
             dead.append(name)
-    # A writer publishes its manifest before it drops its lock: re-reading the latest version
-    # after the lock checks sees every segment whose lock we found free but was committed.
+    if pause is not None:
+        pause("checked")
     referenced = {s.id for s in load_manifest(storage).segments}
     for name in dead:
         if name not in referenced:
             storage.delete_tree(paths.segment_dir(name))
             report.removed_segments.append(name)
     for name in storage.list(paths.MANIFESTS):
-        if name.startswith(".tmp-"):
-            storage.delete(f"{paths.MANIFESTS}/{name}")
-            report.removed_files.append(f"{paths.MANIFESTS}/{name}")
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        key = f"{paths.MANIFESTS}/{name}"
+        try:
+            age = now - storage.stat(key).modified
+        except FileNotFoundError:
+            continue  # its writer finished with it
+        if age > grace_s + storage.clock_resolution_s:  # a writer's temp file lives for ms
+            storage.delete(key)
+            report.removed_files.append(key)
     if keep_versions is not None and keep_versions >= 1 and len(versions) > keep_versions:
         # Deltas below the oldest kept version are only needed to fold it: write that version
         # as a checkpoint first, then older version files and checkpoints can go.
@@ -303,3 +284,13 @@ def gc(
             if c < oldest:
                 storage.delete(paths.checkpoint_key(c))
     return report
+
+
+def _segment_is_live(storage: Storage, segment_id: str, *, now: float, grace_s: float) -> bool:
+    objects = list(storage.walk(paths.segment_dir(segment_id)))
+    if not objects:
+        return False
+    lease = [o for o in objects if o.key == lease_key(segment_id)]
+    if lease and lease_is_live(storage, lease[0], now):
+        return True
+    return now - max(o.modified for o in objects) < grace_s + storage.clock_resolution_s

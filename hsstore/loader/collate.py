@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from hsstore.loader.source import LayerChoice
+from hsstore.loader.dataset_handle import LayerChoice
 
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
 

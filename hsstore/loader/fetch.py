@@ -38,8 +38,8 @@ from hsstore.loader.collate import (
     placements,
     write_tokens,
 )
+from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.shutdown import close_at_exit
-from hsstore.loader.source import DatasetSource, LayerChoice
 
 _POLL_S = 0.1
 

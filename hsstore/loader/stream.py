@@ -23,10 +23,10 @@ from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 from hsstore.errors import LoaderStateError
 from hsstore.loader.batching import BatchPlan
 from hsstore.loader.collate import RawBatch, as_eagle3
+from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.fetch import BatchFetcher, BatchShape
 from hsstore.loader.partition import worker_steps
 from hsstore.loader.plan import PlanConfig, fingerprint, rank_plan
-from hsstore.loader.source import DatasetSource, LayerChoice
 
 STATE_VERSION = 1
 

@@ -321,6 +321,8 @@ class _WorkerBatches:
                 num_workers=loader.workers,
                 prefetch_factor=loader.prefetch,
                 persistent_workers=False,
+                # An object-store client does not survive fork(): spawn workers for one.
+                multiprocessing_context=None if loader.source.location.fork_safe else "spawn",
             )
         )
         self._ring = [

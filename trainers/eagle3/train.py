@@ -39,7 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m trainers.eagle3", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--data", required=True, help="hsstore dataset directory")
+    p.add_argument(
+        "--data", required=True, help="hsstore dataset: a path or s3://, gs://, az:// URL"
+    )
     p.add_argument(
         "--target", help="local target model dir (safetensors): soft targets + embedding"
     )
@@ -62,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=4, help="loader decode threads")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK if available, else cpu")
+    p.add_argument(
+        "--samples-log",
+        help="write each step's sample positions to PATH.rank<R>.json (checks data coverage)",
+    )
     return p.parse_args(argv)
 
 
@@ -409,6 +415,9 @@ def train(args: argparse.Namespace) -> dict:
         "steps": len(history),
         "first_step": start_step + 1,
     }
+    if args.samples_log:
+        with open(f"{args.samples_log}.rank{rank}.json", "w") as f:
+            json.dump([{"step": h["step"], "samples": h["samples"]} for h in history], f)
     if world > 1:
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}

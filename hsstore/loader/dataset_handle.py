@@ -1,8 +1,9 @@
-"""The loader's view of a dataset: picklable metadata plus a lazily opened reader.
+"""The loader's handle on a dataset: picklable metadata plus a reader opened per process.
 
-Workers must not inherit an open dataset across ``fork`` (file descriptors, locks, and, if
-zarr-python were ever on the path, its event-loop thread). A ``DatasetSource`` therefore
-pickles as its path and metadata only, and opens the dataset on first use in each process.
+Workers must not inherit an open dataset across ``fork`` (file descriptors, an object-store
+client's runtime, locks). A ``DatasetSource`` therefore pickles as its location (a path, or the
+`Storage` of a URL, which pickles as its URL and cache settings) and metadata only, and opens
+the dataset on first use in each process.
 """
 
 from __future__ import annotations
@@ -11,39 +12,21 @@ import os
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
+from hsstore.dataset import Dataset
+from hsstore.dataset import open as open_dataset
 from hsstore.errors import BadInputError
+from hsstore.format.layers import LayerSpec
+from hsstore.format.store import Storage
 
 
-def _open(path: str, verify_reads: bool) -> Any:
-    import hsstore  # late: hsstore/__init__ imports the core, which imports torch etc.
-
-    return hsstore.open(path, verify_reads=verify_reads)
-
-
-def dataset_path(ds: Any) -> str:
-    """The root path of an open dataset object (whatever the core calls it)."""
-    for name in ("path", "root"):
-        value = getattr(ds, name, None)
-        if isinstance(value, (str, os.PathLike)):
-            return os.fspath(value)
-    storage = getattr(ds, "storage", None)
-    root = getattr(storage, "root", None)
-    if isinstance(root, str):
-        return root
-    raise BadInputError("cannot tell where this dataset lives; pass its path instead")
-
-
-def _deepest(layers: list[Any]) -> int:
+def _deepest(layers: list[LayerSpec]) -> int:
     """Position of the deepest stored layer (final norm wins a tie): the verifier's state."""
-    keys = [
-        (int(spec.depth), bool(getattr(spec, "final_norm", False)), i)
-        for i, spec in enumerate(layers)
-    ]
+    keys = [(spec.depth, spec.final_norm, i) for i, spec in enumerate(layers)]
     return max(keys)[2]
 
 
@@ -64,7 +47,7 @@ class LayerChoice:
 
     @classmethod
     def resolve(
-        cls, layers: list[Any], aux_layers: list[int] | None, verifier: bool
+        cls, layers: list[LayerSpec], aux_layers: list[int] | None, verifier: bool
     ) -> LayerChoice:
         n = len(layers)
         deepest = _deepest(layers) if n else None
@@ -81,30 +64,37 @@ class LayerChoice:
 
 
 class DatasetSource:
-    """Path + index metadata of one dataset version; opens a reader per process on demand."""
+    """Location + index metadata of one dataset version; opens a reader per process on demand."""
 
-    def __init__(self, path_or_ds: Any, *, verify_reads: bool | None = None):
-        """verify_reads: check every whole-sample read against its stored checksum (the core's
+    def __init__(
+        self,
+        dataset: str | os.PathLike[str] | Storage | Dataset,
+        *,
+        verify_reads: bool | None = None,
+    ):
+        """dataset: a path, a URL (s3://, gs://, az://, file://), a Storage or an open Dataset.
+
+        verify_reads: check every whole-sample read against its stored checksum (the core's
         default; costs a CRC pass over the bytes). None: the given dataset's setting, or True."""
-        if isinstance(path_or_ds, (str, os.PathLike)):
-            self.path = os.fspath(path_or_ds)
-            self.verify_reads = True if verify_reads is None else verify_reads
-            ds = _open(self.path, self.verify_reads)
+        if isinstance(dataset, Dataset):
+            ds = dataset
+            self.verify_reads = ds.verify_reads if verify_reads is None else verify_reads
         else:
-            ds = path_or_ds
-            self.path = dataset_path(ds)
-            own = bool(getattr(ds, "verify_reads", True))
-            self.verify_reads = own if verify_reads is None else verify_reads
+            self.verify_reads = True if verify_reads is None else verify_reads
+            ds = open_dataset(dataset, verify_reads=self.verify_reads)
+        # Reopened from its storage in another process (a URL's cache settings travel along).
+        self.location: Storage = ds.storage
+        self.path = ds.path
         index = ds.index
         self.num_tokens = np.asarray(index.column("num_tokens").to_numpy(), dtype=np.int64)
         self.segments = np.asarray(index.column("segment").to_numpy(), dtype=np.int64)
         self.layers = list(ds.layers)
         man = ds.manifest
-        self.hidden_size = int(man.hidden_size)
-        self.dtype = _torch_dtype(man.dtype)
+        self.hidden_size = man.hidden_size
+        self.dtype = man.torch_dtype
         self.data_fingerprint = _data_fingerprint(index)
         # A dataset object opened with another verify setting is reopened on first read.
-        self._ds: Any = ds if self.verify_reads == getattr(ds, "verify_reads", True) else None
+        self._ds: Dataset | None = ds if self.verify_reads == ds.verify_reads else None
         self._pid = self._lock_pid = os.getpid()
         self._lock = threading.Lock()
 
@@ -112,7 +102,7 @@ class DatasetSource:
         return len(self.num_tokens)
 
     @property
-    def ds(self) -> Any:
+    def ds(self) -> Dataset:
         """The open dataset in this process (opened here on first use after a fork/pickle)."""
         pid = os.getpid()
         if self._ds is not None and self._pid == pid:
@@ -123,7 +113,7 @@ class DatasetSource:
             self._lock, self._lock_pid = threading.Lock(), pid
         with self._lock:
             if self._ds is None or self._pid != pid:
-                self._ds = _open(self.path, self.verify_reads)
+                self._ds = open_dataset(self.location, verify_reads=self.verify_reads)
                 self._pid = pid
         return self._ds
 
@@ -139,12 +129,7 @@ class DatasetSource:
 
     def read_tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, loss_mask) of sample ``i`` as int64, without decoding hidden states."""
-        ds = self.ds
-        reader = getattr(ds, "read_tokens", None)
-        if reader is not None:
-            return reader(i)
-        s = ds.read(i, layers=[])  # older cores: an empty layer list decodes no state
-        return s.input_ids, s.loss_mask
+        return self.ds.read_tokens(i)
 
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
@@ -156,17 +141,7 @@ class DatasetSource:
         self.ds.read_hidden_into(i, out, layers=None if whole else layers)
 
 
-def _torch_dtype(value: Any) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    name = str(value).replace("torch.", "")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BadInputError(f"unknown dtype {value!r}")
-    return dtype
-
-
-def _data_fingerprint(index: Any) -> int:
+def _data_fingerprint(index: pa.Table) -> int:
     """A checksum of the sample ids and lengths: changes whenever the sample list does."""
     ids = index.column("sample_id").to_pylist()
     crc = zlib.crc32("\x00".join(ids).encode())

@@ -1,4 +1,5 @@
-"""One reading interface over an hsstore dataset and the foreign formats convert reads.
+"""What inspect audits: one reading interface over an hsstore dataset (at a path or URL) and
+the foreign directories convert reads.
 
 inspect works on both so users can audit data they already have. hsstore datasets give a lot
 for free (index lengths and loss-token counts, write-time statistics,
@@ -17,8 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsstore.dataset import Dataset
 from hsstore.errors import HsstoreError, NotADatasetError
 from hsstore.format.layers import LayerSpec
+from hsstore.format.store import is_url
+from hsstore.io.base import SourceReader
+from hsstore.stats import LayerStats
 
 
 @dataclass
@@ -44,7 +49,7 @@ def dir_bytes(path: Path) -> int:
 class AuditSource:
     """Base: metadata up front, samples on demand. Subclasses fill the attributes."""
 
-    path: Path
+    path: str  # a local path, or a URL for a dataset in object storage
     kind: str
     format_version: int | None = None
     layers: list[LayerSpec]
@@ -70,8 +75,8 @@ class AuditSource:
         """Loss-token count of every sample, when known without reading states."""
         return None
 
-    def write_stats(self) -> list[Any] | None:
-        """Per-layer statistics recorded at write time (hsstore.stats.LayerStats), if any."""
+    def write_stats(self) -> list[LayerStats] | None:
+        """Per-layer statistics recorded at write time, if any."""
         return None
 
     def iter_tokens(self) -> Iterator[tuple[int, np.ndarray]] | None:
@@ -79,14 +84,14 @@ class AuditSource:
         return None
 
     def bytes_on_disk(self) -> int:
-        return dir_bytes(self.path)
+        return dir_bytes(Path(self.path))
 
 
 class HsstoreSource(AuditSource):
-    def __init__(self, ds: Any):
+    def __init__(self, ds: Dataset):
         man = ds.manifest
         self.ds = ds
-        self.path = Path(ds.path)
+        self.path = ds.path
         self.kind = "hsstore"
         self.format_version = man.format_version
         self.layers = list(ds.layers)
@@ -112,7 +117,10 @@ class HsstoreSource(AuditSource):
     def loss_tokens(self) -> np.ndarray:
         return self.ds.index.column("num_loss_tokens").to_numpy()
 
-    def write_stats(self) -> list[Any] | None:
+    def bytes_on_disk(self) -> int:
+        return sum(info.size for info in self.ds.storage.walk(""))
+
+    def write_stats(self) -> list[LayerStats] | None:
         try:
             return self.ds.layer_stats()
         except (HsstoreError, KeyError, OSError):
@@ -127,9 +135,9 @@ class HsstoreSource(AuditSource):
 class ForeignSource(AuditSource):
     """A directory `convert` reads (speculators v1, SpecForge, speculators Arrow), read-only."""
 
-    def __init__(self, reader: Any):
+    def __init__(self, reader: SourceReader):
         self.reader = reader
-        self.path = Path(reader.path)
+        self.path = str(reader.path)
         self.kind = reader.format
         self.layers = list(reader.layers)
         self.hidden_size = reader.hidden_size
@@ -163,6 +171,8 @@ def open_audit_source(
     import hsstore
     from hsstore.io import detect_format, open_foreign
 
+    if is_url(path):  # only hsstore datasets live in object storage
+        return HsstoreSource(hsstore.open(path))
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(2, "no such file or directory", str(p))

@@ -1,0 +1,319 @@
+"""A dataset in an object store (S3 and S3-compatible servers, GCS, Azure) through obstore.
+
+obstore (the Rust ``object_store`` crate) gives ranged and multi-range gets that release the
+GIL, so the loader's reading threads keep many requests in flight; multipart upload, which
+makes a big shard visible only once it is complete; retries with exponential backoff on 5xx,
+dropped connections and timeouts; and conditional create (``put(..., mode="create")``, S3's
+``If-None-Match: *``), which publishes a manifest version atomically. Endpoint and credentials
+come only from the standard environment variables obstore reads (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``, and the
+``GOOGLE_*``/``AZURE_*`` equivalents); no secret is ever put in a message.
+
+Errors the server returns become one-line `StorageError`s naming the object; a missing object
+stays `FileNotFoundError`, which the format code already handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
+from typing import TypeVar
+
+import obstore
+from obstore.exceptions import (
+    AlreadyExistsError,
+    BaseError,
+    PermissionDeniedError,
+    PreconditionError,
+    UnauthenticatedError,
+)
+from obstore.store import ObjectStore, from_url
+
+from hsstore.errors import StorageError
+from hsstore.format.store import ObjectInfo, Storage
+from hsstore.format.store_cache import LocalCache
+
+T = TypeVar("T")
+
+# Objects this big go up in parts (never visible until the last part is in).
+MULTIPART_BYTES = 16 << 20
+PART_BYTES = 8 << 20
+# A read longer than two of these is split into concurrent ranged GETs.
+SPLIT_BYTES = 1 << 20
+CLOCK_PREFIX = ".hsstore-clock"
+
+
+def _retry_config() -> dict[str, object]:
+    return {
+        "max_retries": int(os.environ.get("HSSTORE_STORAGE_RETRIES", "6")),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=5),
+            "base": 2,
+        },
+        "retry_timeout": timedelta(seconds=float(os.environ.get("HSSTORE_RETRY_TIMEOUT", "60"))),
+    }
+
+
+def _client_options() -> dict[str, object]:
+    options: dict[str, object] = {"connect_timeout": "5s", "timeout": "60s"}
+    # Explicit client options replace the ones obstore would take from the environment.
+    if os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
+        options["allow_http"] = True
+    return options
+
+
+class ObjectStorage(Storage):
+    """Keys under one ``scheme://bucket/prefix``."""
+
+    clock_resolution_s = 1.0  # Last-Modified is an HTTP date: whole seconds
+    # obstore runs requests on a tokio runtime whose threads do not survive fork(): a forked
+    # child's requests hang (obstore and tokio document fork as unsupported).
+    fork_safe = False
+
+    def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
+        self.root = url.rstrip("/")
+        self._cache_dir = cache_dir
+        self._cache_bytes = cache_bytes
+        try:
+            self._store: ObjectStore = from_url(
+                self.root, client_options=_client_options(), retry_config=_retry_config()
+            )
+        except BaseError as exc:
+            raise StorageError(f"cannot use this URL: {_first_line(exc)}", path=self.root) from exc
+        except ValueError as exc:
+            raise StorageError(f"cannot use this URL: {_first_line(exc)}", path=self.root) from exc
+        self._cache = (
+            LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
+        )
+        self._pid = os.getpid()
+        self._cache_lock = threading.Lock()
+
+    # -- errors ----------------------------------------------------------------------------------
+    def _call(self, key: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except FileNotFoundError as exc:
+            if _server_code(exc) == "NoSuchBucket":
+                raise StorageError("the bucket does not exist", path=self.root) from None
+            raise FileNotFoundError(2, "no such object", self.path_of(key)) from None
+        except BaseError as exc:
+            code, status = _server_code(exc), _status(exc)
+            if code == "NoSuchBucket":
+                raise StorageError("the bucket does not exist", path=self.root) from None
+            if isinstance(exc, (PermissionDeniedError, UnauthenticatedError)) or status in (
+                401,
+                403,
+            ):
+                raise StorageError(
+                    f"access denied ({code or status}; check the credentials in the environment)",
+                    path=self.path_of(key),
+                ) from None
+            if status is None:
+                raise StorageError(
+                    f"cannot reach the storage endpoint ({_reason(exc)})", path=self.path_of(key)
+                ) from None
+            raise StorageError(
+                f"storage request failed (HTTP {status}{', ' + code if code else ''})",
+                path=self.path_of(key),
+            ) from None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_bytes(self, key: str) -> bytes:
+        return self._call(key, lambda: bytes(obstore.get(self._store, key).bytes()))
+
+    def read_into(self, key: str, offset: int, out: memoryview) -> int:
+        if not len(out):
+            return 0
+        if self._cache is not None and self._cache.covers(key):
+            return self._cache.local(key, self._fetch_whole).read_into(key, offset, out)
+        data = self._call(
+            key, lambda: obstore.get_range(self._store, key, start=offset, length=len(out))
+        )
+        view = memoryview(data)
+        out[: len(view)] = view
+        return len(view)
+
+    def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
+        want = sum(len(b) for b in buffers)
+        if self._cache is not None and self._cache.covers(key):
+            return self._cache.local(key, self._fetch_whole).read_scatter(key, offset, buffers)
+        if not want:
+            return 0
+        if want > 2 * SPLIT_BYTES:
+            # A long run goes as several ranged GETs at once (obstore sends them concurrently).
+            starts = list(range(offset, offset + want, SPLIT_BYTES))
+            ends = [min(s + SPLIT_BYTES, offset + want) for s in starts]
+            parts = self._call(
+                key,
+                lambda: obstore.get_ranges(self._store, key, starts=starts, ends=ends, coalesce=0),
+            )
+        else:
+            parts = [
+                self._call(
+                    key, lambda: obstore.get_range(self._store, key, start=offset, length=want)
+                )
+            ]
+        return _scatter([memoryview(p) for p in parts], buffers)
+
+    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        """Several (offset, length) ranges of one object in one call; obstore coalesces near
+        ranges into one request and sends the rest concurrently."""
+        if self._cache is not None and self._cache.covers(key):
+            return super().read_ranges(key, ranges)
+        starts = [o for o, _ in ranges]
+        lengths = [n for _, n in ranges]
+        got = self._call(
+            key, lambda: obstore.get_ranges(self._store, key, starts=starts, lengths=lengths)
+        )
+        return [memoryview(b) for b in got]
+
+    def _fetch_whole(self, key: str) -> Iterator[memoryview]:
+        result = self._call(key, lambda: obstore.get(self._store, key))
+        for chunk in result:
+            yield memoryview(chunk)
+
+    def size(self, key: str) -> int:
+        return self.stat(key).size
+
+    def stat(self, key: str) -> ObjectInfo:
+        meta = self._call(key, lambda: obstore.head(self._store, key))
+        return ObjectInfo(key, int(meta["size"]), meta["last_modified"].timestamp())
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.stat(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str) -> list[str]:
+        folder = prefix.rstrip("/") + "/" if prefix else None
+        listing = self._call(
+            prefix, lambda: obstore.list_with_delimiter(self._store, prefix=folder)
+        )
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in listing["common_prefixes"]}
+        names |= {o["path"].rsplit("/", 1)[-1] for o in listing["objects"]}
+        return sorted(names)
+
+    def walk(self, prefix: str) -> Iterator[ObjectInfo]:
+        folder = prefix.rstrip("/") + "/" if prefix else None
+        stream = self._call(prefix, lambda: obstore.list(self._store, prefix=folder).collect())
+        for meta in stream:
+            yield ObjectInfo(meta["path"], int(meta["size"]), meta["last_modified"].timestamp())
+
+    # -- writing ---------------------------------------------------------------------------------
+    def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
+        parts = [bytes(p) if isinstance(p, memoryview) else p for p in pieces]
+        size = sum(len(p) for p in parts)
+        if size >= MULTIPART_BYTES:
+            # Multipart: the object appears only when the upload completes.
+            self._call(
+                key,
+                lambda: obstore.put(
+                    self._store, key, iter(parts), use_multipart=True, chunk_size=PART_BYTES
+                ),
+            )
+        else:
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
+            # Segment files have writer-unique names: create mode turns a (never expected)
+            # name clash into an error instead of an overwrite.
+            self._call(key, lambda: obstore.put(self._store, key, body, mode="create"))
+        return size
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """A completed put is durable on an object store."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        def create() -> bool:
+            try:
+                obstore.put(self._store, key, data, mode="create")
+            except (AlreadyExistsError, PreconditionError):
+                return False  # 412: another writer created it first
+            return True
+
+        return self._call(key, create)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(key, lambda: obstore.put(self._store, key, data, mode="overwrite"))
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._call(key, lambda: obstore.delete(self._store, key))
+
+    def delete_tree(self, prefix: str) -> None:
+        keys = [info.key for info in self.walk(prefix)]
+        for start in range(0, len(keys), 1000):
+            batch = keys[start : start + 1000]
+            self._call(prefix, lambda b=batch: obstore.delete(self._store, b))
+
+    def now(self) -> float:
+        """The server's clock: write a tiny object and read its modification time."""
+        key = f"{CLOCK_PREFIX}/{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            return self.stat(key).modified
+        finally:
+            self.delete(key)
+
+    def check_root(self) -> None:
+        """Nothing to check before the first request (a missing dataset shows as no manifest)."""
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+
+    # -- pickling (worker processes build their own client) ----------------------------------------
+    def __getstate__(self) -> dict[str, object]:
+        return {"root": self.root, "cache_dir": self._cache_dir, "cache_bytes": self._cache_bytes}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["root"], cache_dir=state["cache_dir"], cache_bytes=state["cache_bytes"]
+        )
+
+
+def _scatter(parts: list[memoryview], buffers: list[memoryview]) -> int:
+    """Copy consecutive received pieces into consecutive buffers; returns the bytes placed."""
+    done = 0
+    b, at = 0, 0  # current buffer and the offset in it
+    for part in parts:
+        pos = 0
+        while pos < len(part) and b < len(buffers):
+            n = min(len(part) - pos, len(buffers[b]) - at)
+            buffers[b][at : at + n] = part[pos : pos + n]
+            pos, at, done = pos + n, at + n, done + n
+            if at == len(buffers[b]):
+                b, at = b + 1, 0
+    return done
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _status(exc: BaseException) -> int | None:
+    match = re.search(r"status code: (\d{3})", str(exc))
+    return int(match.group(1)) if match else None
+
+
+def _reason(exc: BaseException) -> str:
+    """The transport error at the end of obstore's first line (connection refused, timeout)."""
+    first = _first_line(exc)
+    return first.rsplit(" - ", 1)[-1].strip() or type(exc).__name__
+
+
+def _server_code(exc: BaseException) -> str | None:
+    """The S3 error code (SignatureDoesNotMatch, InvalidAccessKeyId, ...) without the body."""
+    text = str(exc)
+    start = text.find("<Code>")
+    if start < 0:
+        return None
+    end = text.find("</Code>", start)
+    return text[start + 6 : end] if end > start else None

@@ -1,0 +1,167 @@
+"""The commit/gc protocol under exact interleavings, on a local disk and on S3 alike.
+
+Each test puts a writer step at one precise point of gc (or a failure at one precise point of a
+commit) through the hooks the protocol exposes, so no outcome depends on scheduling luck.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import hsstore
+from hsstore import LayerSpec
+from hsstore.errors import ConflictError
+from hsstore.format import commit, paths
+from hsstore.format.store import LocalStorage, Storage, open_storage
+from tools.synthetic import random_sample
+
+TTL = 0.4
+
+
+@pytest.fixture(params=["local", "s3"])
+def location(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "ds")
+    return request.getfixturevalue("s3_url")
+
+
+def _lapse_wait(location: str) -> float:
+    """Long enough for a lease to look dead to gc: S3 dates have whole seconds, which gc adds
+    to the ttl as slack."""
+    return 1.5 * TTL + open_storage(location).clock_resolution_s * 2.2
+
+
+def _make(location: str | Storage) -> hsstore.Dataset:
+    return hsstore.create(location, layers=[LayerSpec(1), LayerSpec(4)], hidden_size=32,
+                          dtype=torch.bfloat16, chunk_bytes=2048, shard_bytes=8192)  # fmt: skip
+
+
+def _segment_keys(storage: Storage, segment_id: str) -> list[str]:
+    return [o.key for o in storage.walk(paths.segment_dir(segment_id))]
+
+
+def test_gc_spares_a_segment_whose_heartbeat_runs(location):
+    ds = _make(location)
+    w = ds.writer(lease_ttl_s=TTL)
+    w.add("a", *random_sample(10, 2, 32))
+    w._finish_segment()  # the segment's files are all written, not yet committed
+    seg_id = w._finished[0].id
+    time.sleep(_lapse_wait(location) + TTL)  # the heartbeat keeps the lease live past its ttl
+    report = hsstore.gc(location, grace_s=0)
+    assert report.live_segments == [seg_id] and report.removed_segments == []
+    assert w.commit() is not None
+    w.close()
+    assert hsstore.open(location).sample_ids == ["a"] and hsstore.verify(location).ok
+
+
+def test_a_commit_between_gc_listing_and_checks_is_kept(location):
+    """The writer publishes and drops its lease after gc read the manifest: the lease check
+    then finds nothing, and only the re-read of the manifest saves the segment."""
+    ds = _make(location)
+    w = ds.writer(lease_ttl_s=TTL)
+    w.add("a", *random_sample(10, 2, 32))
+    w._finish_segment()
+    seg_id = w._finished[0].id
+
+    def pause(stage: str) -> None:
+        if stage == "listed":
+            w.commit()
+
+    report = commit.gc(open_storage(location), grace_s=0, pause=pause)
+    w.close()
+    assert seg_id not in report.removed_segments
+    storage = open_storage(location)
+    assert _segment_keys(storage, seg_id), "a committed segment was deleted"
+    assert hsstore.open(location).sample_ids == ["a"] and hsstore.verify(location).ok
+
+
+def test_a_writer_whose_lease_lapsed_never_publishes(location):
+    """gc judged the writer dead while its heartbeat stalled and removed the segment; the
+    writer must then refuse to publish a manifest that would reference missing files."""
+    ds = _make(location)
+    w = ds.writer(lease_ttl_s=TTL)
+    stalled = threading.Event()
+    release = threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        release.wait()
+
+    w.leases.before_heartbeat = stall
+    w.add("a", *random_sample(10, 2, 32))
+    w._finish_segment()
+    seg_id = w._finished[0].id
+    assert stalled.wait(5)
+    time.sleep(_lapse_wait(location))
+    report = hsstore.gc(location, grace_s=0)
+    assert report.removed_segments == [seg_id]
+    with pytest.raises(ConflictError, match="lapsed"):
+        w.commit()
+    release.set()
+    w.close()
+    assert len(hsstore.open(location)) == 0 and hsstore.verify(location).ok
+
+
+class _PublishFails(LocalStorage):
+    """A real local store whose manifest create fails once, before or after it lands (the
+    server stored the object, then the connection dropped)."""
+
+    def __init__(self, root: str, *, lands: bool):
+        super().__init__(root)
+        self.lands = lands
+        self.armed = True
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if not (self.armed and key.startswith(paths.MANIFESTS + "/")):
+            return super().put_if_absent(key, data)
+        self.armed = False
+        if self.lands:
+            super().put_if_absent(key, data)
+        raise ConnectionResetError(104, "connection reset by peer", key)
+
+
+def test_a_publish_that_raised_after_landing_keeps_its_segment(tmp_path):
+    root = str(tmp_path / "ds")
+    _make(root)
+    ds = hsstore.open(_PublishFails(root, lands=True))
+    w = ds.writer(lease_ttl_s=TTL)
+    w.add("a", *random_sample(10, 2, 32))
+    published = w.commit()  # the version is in place: the commit reports success
+    w.close()
+    assert published is not None and published.version == 2
+    assert hsstore.open(root).sample_ids == ["a"] and hsstore.verify(root).ok
+
+
+def test_a_publish_that_failed_leaves_files_for_gc_not_for_abort(tmp_path):
+    root = str(tmp_path / "ds")
+    _make(root)
+    storage = _PublishFails(root, lands=False)
+    ds = hsstore.open(storage)
+    with pytest.raises(ConnectionResetError), ds.writer(lease_ttl_s=TTL) as w:
+        w.add("a", *random_sample(10, 2, 32))
+        w._finish_segment()
+        seg_id = w._finished[0].id
+        w.commit()
+    assert _segment_keys(storage, seg_id), "the writer deleted a segment it tried to publish"
+    assert len(hsstore.open(root)) == 0
+    time.sleep(1.5 * TTL)  # its lease lapses: now it is debris
+    assert hsstore.gc(root, grace_s=0).removed_segments == [seg_id]
+    assert hsstore.verify(root).ok
+
+
+def test_gc_leaves_young_temp_files_alone(tmp_path):
+    import os
+
+    root = tmp_path / "ds"
+    _make(str(root))
+    young, old = root / "manifests" / ".tmp-young", root / "manifests" / ".tmp-old"
+    young.write_bytes(b"x")
+    old.write_bytes(b"x")
+    os.utime(old, (0, 0))
+    report = hsstore.gc(str(root), grace_s=60)
+    assert report.removed_files == ["manifests/.tmp-old"]
+    assert young.exists() and not old.exists()
