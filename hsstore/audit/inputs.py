@@ -22,7 +22,7 @@ from hsstore.dataset import Dataset
 from hsstore.errors import HsstoreError, NotADatasetError
 from hsstore.format.layers import LayerSpec
 from hsstore.format.store import is_url
-from hsstore.io.base import SourceReader
+from hsstore.io.base import ForeignReader
 from hsstore.stats import LayerStats
 
 
@@ -135,7 +135,7 @@ class HsstoreSource(AuditSource):
 class ForeignSource(AuditSource):
     """A directory `convert` reads (speculators v1, SpecForge, speculators Arrow), read-only."""
 
-    def __init__(self, reader: SourceReader):
+    def __init__(self, reader: ForeignReader):
         self.reader = reader
         self.path = str(reader.path)
         self.kind = reader.format
