@@ -17,6 +17,7 @@ from hsstore.errors import (
     LoaderStateError,
     NotADatasetError,
     SchemaError,
+    StorageError,
     UnsupportedVersionError,
 )
 from hsstore.format.layers import LayerSpec
@@ -43,6 +44,7 @@ __all__ = [
     "NotADatasetError",
     "Sample",
     "SchemaError",
+    "StorageError",
     "UnsupportedVersionError",
     "VerifyReport",
     "Writer",

@@ -19,7 +19,8 @@ from typing import Any
 
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError, HsstoreError
-from hsstore.format.store import Storage, is_url, open_storage
+from hsstore.format.locations import is_url, open_storage
+from hsstore.format.store import Storage
 from hsstore.io import (
     EXPORT_FORMATS,
     HSSTORE,

@@ -26,6 +26,7 @@ from hsstore.errors import (
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.lease import DEFAULT_TTL_S
+from hsstore.format.locations import open_storage
 from hsstore.format.manifest import (
     DTYPES,
     Layout,
@@ -35,7 +36,7 @@ from hsstore.format.manifest import (
     now_iso,
     storage_view,
 )
-from hsstore.format.store import Storage, open_storage
+from hsstore.format.store import Storage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer

@@ -22,8 +22,9 @@ import numpy as np
 
 from hsstore.errors import HsstoreError
 from hsstore.format import commit, paths
+from hsstore.format.locations import open_storage
 from hsstore.format.manifest import Manifest
-from hsstore.format.store import Storage, open_storage
+from hsstore.format.store import Storage
 from hsstore.segment import SegmentReader
 
 

@@ -16,7 +16,8 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import ConflictError
 from hsstore.format import commit, paths
-from hsstore.format.store import LocalStorage, Storage, open_storage
+from hsstore.format.locations import open_storage
+from hsstore.format.store import LocalStorage, Storage
 from tools.synthetic import random_sample
 
 TTL = 0.4

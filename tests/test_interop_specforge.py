@@ -135,7 +135,7 @@ def test_post_norm_data_exports_as_stored(tmp_path, model_run):
 
 @pytest.mark.parametrize(
     "layers", [[LayerSpec(1), LayerSpec(3), LayerSpec(N)], [LayerSpec(2), LayerSpec(1),
-               LayerSpec(3), LayerSpec(N)], [LayerSpec(1), LayerSpec(2), LayerSpec(3),
+               LayerSpec(3), LayerSpec(N)], [LayerSpec(0), LayerSpec(1), LayerSpec(2),
                LayerSpec(3)]]
 )  # fmt: skip
 def test_export_refuses_what_specforge_cannot_hold(tmp_path, model_run, layers):

@@ -24,8 +24,8 @@ from hsstore.cli import main
 from hsstore.convert import read_lengths
 from hsstore.errors import HsstoreError, StorageError
 from hsstore.format import paths
+from hsstore.format.locations import open_storage
 from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import open_storage
 from hsstore.loader import Loader
 from tools.convert_fixtures import write_v1_dir
 from tools.synthetic import random_sample

@@ -21,7 +21,7 @@ import torch
 from hsstore.dataset import Dataset
 from hsstore.errors import HsstoreError, NotADatasetError
 from hsstore.format.layers import LayerSpec
-from hsstore.format.store import is_url
+from hsstore.format.locations import is_url
 from hsstore.io.base import ForeignReader
 from hsstore.stats import LayerStats
 

@@ -22,10 +22,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsstore.errors import BadInputError, NotADatasetError
+from hsstore.errors import NotADatasetError
 
 # URL schemes obstore serves; anything else with "://" is refused rather than taken for a path.
-OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 TEMP_PREFIX = ".tmp-"
 
 
@@ -346,36 +345,3 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def is_url(location: str | os.PathLike[str]) -> bool:
-    return isinstance(location, str) and "://" in location
-
-
-def open_storage(
-    location: str | os.PathLike[str] | Storage, *, cache_dir: str | None = None
-) -> Storage:
-    """The storage a dataset location names: ``s3://bucket/prefix``, ``gs://``, ``az://``,
-    ``file://path`` or a plain path.
-
-    Object stores take endpoint and credentials only from the standard environment variables
-    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... and the ``GOOGLE_*``/``AZURE_*`` ones).
-    cache_dir (default: ``$HSSTORE_CACHE_DIR``) keeps a bounded local copy of the immutable
-    segment files read from an object store, so later epochs read local disk.
-    """
-    if isinstance(location, Storage):
-        return location
-    if not is_url(location):
-        return LocalStorage(location)
-    text = str(location)
-    scheme = text.split("://", 1)[0].lower()
-    if scheme == "file":
-        return LocalStorage(text[len("file://") :])
-    if scheme in OBJECT_SCHEMES:
-        from hsstore.format.object_store import ObjectStorage
-
-        return ObjectStorage(text, cache_dir=cache_dir or os.environ.get("HSSTORE_CACHE_DIR"))
-    raise BadInputError(
-        f"unsupported storage URL scheme {scheme!r} (use s3://, gs://, az://, file:// or a path)",
-        path=text,
-    )
