@@ -104,7 +104,8 @@ class HsstoreSource(AuditSource):
 
     def read(self, i: int) -> AuditSample:
         s = self.ds.read(i)
-        return AuditSample(s.sample_id, s.input_ids, s.loss_mask, s.hidden)
+        # fp8 states are audited as the trainer sees them (dequantized); others as stored.
+        return AuditSample(s.sample_id, s.input_ids, s.loss_mask, s.dequantized())
 
     def lengths(self) -> np.ndarray:
         return self.ds.index.column("num_tokens").to_numpy()

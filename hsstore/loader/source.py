@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsstore import fp8
 from hsstore.errors import BadInputError
 
 
@@ -101,7 +102,8 @@ class DatasetSource:
         self.layers = list(ds.layers)
         man = ds.manifest
         self.hidden_size = int(man.hidden_size)
-        self.dtype = _torch_dtype(man.dtype)
+        # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
+        self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else _torch_dtype(man.dtype)
         self.data_fingerprint = _data_fingerprint(index)
         # A dataset object opened with another verify setting is reopened on first read.
         self._ds: Any = ds if self.verify_reads == getattr(ds, "verify_reads", True) else None
