@@ -23,6 +23,10 @@ from hsstore.format.manifest import Manifest
 from hsstore.loader import Loader
 from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP
 from tests.peer_packages import peer
+from tests.test_interop_specforge import PRE_NORM, model_run, read_with_specforge  # noqa: F401
+from tests.test_interop_specforge import H as SPECFORGE_H
+from tests.test_interop_specforge import N as SPECFORGE_N
+from tests.test_interop_specforge import make_dataset as make_specforge_dataset
 from tests.test_interop_speculators import LENGTHS, H, arrow_dataset, bits, samples
 from tests.test_interop_speculators import write_fp8_source as write_source
 
@@ -268,3 +272,67 @@ def test_write_time_stats_describe_the_values(tmp_path):
         assert st.rowmax_hist == row_magnitudes(values[:, j]) != row_magnitudes(raw[:, j])
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 0, r.output
+
+
+def test_specforge_export_and_feature_store_see_the_dequantized_values(tmp_path, model_run):  # noqa: F811
+    from hsstore.integrations.specforge import HsstoreFeatureStore
+
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    model_dir, run = model_run
+    fp8_ds = hsstore.create(tmp_path / "fp8", layers=PRE_NORM, hidden_size=SPECFORGE_H,
+                            dtype="fp8", model={"num_hidden_layers": SPECFORGE_N})  # fmt: skip
+    with fp8_ds.writer() as w:
+        for k, (ids, mask, hidden, _post) in enumerate(run):
+            q, scale = fp8_utils.quantize_tensor_to_fp8(hidden)
+            w.add(f"s{k}", ids, mask, q, scales=scale)
+    values = [
+        (ids, mask, fp8_utils.dequantize_fp8_tensor(*fp8_utils.quantize_tensor_to_fp8(h)), post)
+        for ids, mask, h, post in run
+    ]
+    make_specforge_dataset(tmp_path / "bf16", PRE_NORM, values)  # what the trainer reads
+    for name in ("fp8", "bf16"):
+        r = CliRunner().invoke(
+            main,
+            ["convert", str(tmp_path / name), str(tmp_path / f"out-{name}"), "--to", "specforge"]
+            + ["--target", str(model_dir), "--no-progress"],
+        )
+        assert r.exit_code == 0, r.output
+    ours, want = (
+        read_with_specforge(tmp_path / "out-fp8"),
+        read_with_specforge(tmp_path / "out-bf16"),
+    )
+    assert set(ours) == set(want) == set(range(len(run)))
+    for k, item in want.items():
+        for key, value in item.items():
+            if isinstance(value, torch.Tensor):
+                assert bits(ours[k][key]) == bits(value), (k, key)
+
+    store = HsstoreFeatureStore(tmp_path / "fp8", "run", target=model_dir)
+    for k, ref in enumerate(store.refs(run_id="run")):
+        got, _handle = store.get(ref)
+        theirs = torch.load(
+            next((tmp_path / "out-bf16").rglob(f"data_{k}.ckpt")), weights_only=True
+        )
+        for key in ("aux_hidden_state", "hidden_state"):
+            assert bits(got[key]) == bits(theirs[key]), (k, key)
+
+
+def test_inspect_reads_an_fp8_source_folder_as_values(tmp_path):
+    src = tmp_path / "src"
+    write_source(src, samples(), src / "hidden_states")
+    r = CliRunner().invoke(
+        main, ["inspect", str(src), "--layer-ids", LAYER_IDS, "--full", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    assert '"float8_e4m3fn"' in r.output
+
+
+def test_verify_names_a_damaged_scales_column(tmp_path):
+    _src, path = convert_source(tmp_path)
+    (column,) = (path / "segments").glob("*/scales/c/0")
+    data = bytearray(column.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    column.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["verify", str(path)])
+    assert r.exit_code != 0
+    assert "scales/c/0" in r.output, r.output

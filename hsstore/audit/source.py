@@ -146,7 +146,7 @@ class ForeignSource(AuditSource):
 
     def read(self, i: int) -> AuditSample:
         item = self.reader.read(i)
-        return AuditSample(item.sample_id, item.input_ids, item.loss_mask, item.hidden)
+        return AuditSample(item.sample_id, item.input_ids, item.loss_mask, item.dequantized())
 
 
 def open_audit_source(

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from hsstore import fp8
 from hsstore.errors import BadInputError
 from hsstore.format.layers import LayerSpec
 
@@ -57,6 +58,10 @@ class ForeignSample:
     def nbytes(self) -> int:
         scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
         return self.hidden.numel() * self.hidden.element_size() + scale_bytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The states as values: fp8 ones as speculators' trainer dequantizes them, others as read."""
+        return self.hidden if self.scales is None else fp8.dequantize(self.hidden, self.scales)
 
 
 class ForeignReader(ABC):
