@@ -378,7 +378,7 @@ class Dataset:
         """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)
         of the dataset's dtype; for an fp8 dataset ``out`` may instead be bf16, which receives
         the values as `Sample.dequantized` computes them."""
-        self._read(self._check_position(i), self._check_layers(layers), out)
+        self._read(self._check_position(i), self._check_layers(layers), out, values_out_ok=True)
         return out
 
     def read(
@@ -397,7 +397,12 @@ class Dataset:
         )
 
     def _read(
-        self, i: int, layers: list[int] | None, out: torch.Tensor | None
+        self,
+        i: int,
+        layers: list[int] | None,
+        out: torch.Tensor | None,
+        *,
+        values_out_ok: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, torch.Tensor]:
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
@@ -405,7 +410,8 @@ class Dataset:
         shape = (n, width, self.manifest.hidden_size)
         values_out = None  # a bf16 `out` of an fp8 dataset: decode, then dequantize into it
         if (
-            out is not None
+            values_out_ok
+            and out is not None
             and self.manifest.scaled
             and out.dtype == fp8.DEQUANTIZED_DTYPE
             and tuple(out.shape) == shape
