@@ -200,6 +200,7 @@ def convert_to_hsstore(
                         item.loss_mask,
                         item.hidden,
                         source=item.name,
+                        scales=item.scales,
                     )
                     result.added += 1
                     pending += 1
@@ -323,7 +324,10 @@ def export(
 
     def export_one(k: int) -> int:
         s = ds[k]
-        writer.write(k, s.input_ids, s.loss_mask, s.hidden)
+        if s.scales is not None and isinstance(writer, SpeculatorsArrowWriter) and writer.fp8:
+            writer.write_fp8(k, s.input_ids, s.hidden, s.scales)  # the stored bits, not requantized
+        else:  # fp8 states leave dequantized, as speculators' trainer reads them
+            writer.write(k, s.input_ids, s.loss_mask, s.dequantized())
         return s.hidden.numel() * s.hidden.element_size()
 
     bar = Progress(len(todo), "export", progress)

@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 import xxhash
 
+from hsstore import fp8
 from hsstore.codecs import CodecConfig
 from hsstore.errors import (
     BadInputError,
@@ -32,6 +33,7 @@ from hsstore.format.manifest import (
     Layout,
     Manifest,
     ModelInfo,
+    columns_for,
     dtype_name,
     now_iso,
     storage_view,
@@ -48,16 +50,29 @@ MAX_HIDDEN_SIZE = 1 << 20
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample: token ids, loss mask and hidden states [T, num_layers, H]."""
+    """One sample: token ids, loss mask and hidden states [T, num_layers, H] as stored.
+
+    In a ``float8_e4m3fn`` dataset ``hidden`` holds the fp8 states and ``scales`` their float32
+    per-token scales [T] (None for every other dtype); `dequantized` gives the values.
+    """
 
     sample_id: str
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     hidden: torch.Tensor
+    scales: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def dequantized(self, dtype: torch.dtype = fp8.DEQUANTIZED_DTYPE) -> torch.Tensor:
+        """The states as values: fp8 ones as speculators' trainer computes them (hs-connectors'
+        ``fp8.to(dtype) * scale.to(dtype)``, bf16 by default, bit for bit); the states of any
+        other dtype are returned as stored (``dtype`` does not apply to them)."""
+        if self.scales is None:
+            return self.hidden
+        return fp8.dequantize(self.hidden, self.scales, dtype)
 
 
 def create(
@@ -136,6 +151,7 @@ def create(
         codec=codec_cfg,
         layout=layout,
         provenance=dict(provenance or {}),
+        columns=columns_for(name),
     )
     storage = open_storage(path)
     data = man.to_bytes()
@@ -364,8 +380,10 @@ class Dataset:
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
     ) -> torch.Tensor:
-        """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)."""
-        self._read(self._check_position(i), self._check_layers(layers), out)
+        """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)
+        of the dataset's dtype; for an fp8 dataset ``out`` may instead be bf16, which receives
+        the values as `Sample.dequantized` computes them."""
+        self._read(self._check_position(i), self._check_layers(layers), out, values_out_ok=True)
         return out
 
     def read(
@@ -374,21 +392,37 @@ class Dataset:
         """Sample ``i`` in storage order; ``layers`` picks stored layers by position."""
         i = self._check_position(i)
         layer_list = self._check_layers(layers)
-        ids, mask, hidden = self._read(i, layer_list, out)
+        ids, mask, scales, hidden = self._read(i, layer_list, out)
         return Sample(
             sample_id=self.sample_ids[i],
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(np.int64)),
             hidden=hidden,
+            scales=None if scales is None else torch.from_numpy(scales.copy()),
         )
 
     def _read(
-        self, i: int, layers: list[int] | None, out: torch.Tensor | None
-    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        self,
+        i: int,
+        layers: list[int] | None,
+        out: torch.Tensor | None,
+        *,
+        values_out_ok: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, torch.Tensor]:
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
         width = self.manifest.num_layers if layers is None else len(layers)
         shape = (n, width, self.manifest.hidden_size)
+        values_out = None  # a bf16 `out` of an fp8 dataset: decode, then dequantize into it
+        if (
+            values_out_ok
+            and out is not None
+            and self.manifest.scaled
+            and out.dtype == fp8.DEQUANTIZED_DTYPE
+            and tuple(out.shape) == shape
+            and out.is_contiguous()
+        ):
+            values_out, out = out, None
         if out is None:
             out = torch.empty(shape, dtype=self.manifest.torch_dtype)
         elif (
@@ -408,9 +442,10 @@ class Dataset:
             reader.read_rows(row, row + n, layers, np_out, hasher=hasher)
             ids = reader.column("input_ids")[row : row + n]
             mask = reader.column("loss_mask")[row : row + n]
+            scales = reader.column(paths.SCALES)[row : row + n] if self.manifest.scaled else None
         except IntegrityError as exc:
             raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
-        if hasher is not None and finish_checksum(hasher, ids, mask) != int(
+        if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
             self._index.checksum[i]
         ):
             raise IntegrityError(
@@ -418,7 +453,10 @@ class Dataset:
                 path=self.storage.path_of(paths.segment_dir(reader.info.id)),
                 sample_id=self.sample_ids[i],
             )
-        return ids, mask, out
+        if values_out is not None:
+            fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
+            out = values_out
+        return ids, mask, scales, out
 
     # -- writing -------------------------------------------------------------------------------
     def writer(

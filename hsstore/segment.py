@@ -39,17 +39,30 @@ INDEX_SCHEMA = pa.schema(
 COLUMN_ZSTD_LEVEL = 3
 
 
-def sample_checksum(hidden: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
-    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask."""
+def sample_checksum(
+    hidden: np.ndarray,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
+    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask,
+    then (scaled dtypes only) the per-token scales."""
     hasher = xxhash.xxh3_64()
     hasher.update(memoryview(np.ascontiguousarray(hidden)).cast("B"))
-    return finish_checksum(hasher, input_ids, loss_mask)
+    return finish_checksum(hasher, input_ids, loss_mask, scales)
 
 
-def finish_checksum(hasher: xxhash.xxh3_64, input_ids: np.ndarray, loss_mask: np.ndarray) -> int:
+def finish_checksum(
+    hasher: xxhash.xxh3_64,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
     """Finish a sample checksum from a hasher that has seen its states bytes."""
     hasher.update(memoryview(np.ascontiguousarray(input_ids)).cast("B"))
     hasher.update(memoryview(np.ascontiguousarray(loss_mask)).cast("B"))
+    if scales is not None:
+        hasher.update(memoryview(np.ascontiguousarray(scales)).cast("B"))
     return hasher.intdigest()
 
 

@@ -19,12 +19,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import zstandard
 
+from hsstore import fp8
 from hsstore.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError
 from hsstore.format import paths, zarr_meta
-from hsstore.format.manifest import COLUMN_DTYPES, FileInfo, Manifest, SegmentInfo, now_iso
+from hsstore.format.manifest import FileInfo, Manifest, SegmentInfo, now_iso
 from hsstore.format.store import Storage
 from hsstore.segment import COLUMN_ZSTD_LEVEL, INDEX_SCHEMA, sample_checksum
 from hsstore.stats import RowFlags, StatsAccumulator
@@ -101,11 +103,14 @@ class SegmentWriter:
     _samples: list[_PendingSample] = field(default_factory=list)
     _input_ids: list[np.ndarray] = field(default_factory=list)
     _loss_masks: list[np.ndarray] = field(default_factory=list)
+    _scales: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         layout = self.manifest.layout
         self._codec = ChunkCodec(self.manifest.codec, self.manifest.storage_dtype.itemsize)
-        self._stats = StatsAccumulator(self.manifest.num_layers, self.manifest.dtype)
+        # Stats of a scaled dtype describe the values (states times scales), computed in fp32.
+        stats_dtype = "float32" if self.manifest.scaled else self.manifest.dtype
+        self._stats = StatsAccumulator(self.manifest.num_layers, stats_dtype)
         expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
         if self.flusher.shape != expected:
             raise FormatError(f"shard buffer shape {self.flusher.shape} != {expected}")
@@ -129,10 +134,23 @@ class SegmentWriter:
         loss_mask: np.ndarray,
         hidden: np.ndarray,
         source: str | None,
+        scales: np.ndarray | None = None,
     ) -> None:
-        """Append one validated sample; ``hidden`` is [T, L, H] in the storage dtype."""
-        flags = self._stats.update(hidden)
-        checksum = sample_checksum(hidden, input_ids, loss_mask)
+        """Append one validated sample; ``hidden`` is [T, L, H] in the storage dtype, ``scales``
+        its float32 [T] per-token scales (given exactly when the dtype is scaled)."""
+        if (scales is not None) != self.manifest.scaled:
+            raise FormatError(f"per-token scales go with a scaled dtype, not {self.manifest.dtype}")
+        if scales is None:
+            flags = self._stats.update(hidden)
+        else:
+            values = fp8.dequantize(
+                torch.from_numpy(hidden).view(self.manifest.torch_dtype),
+                torch.from_numpy(scales),
+                torch.float32,
+            )
+            flags = self._stats.update(values.numpy())
+            self._scales.append(scales)
+        checksum = sample_checksum(hidden, input_ids, loss_mask, scales)
         t = hidden.shape[0]
         self._samples.append(
             _PendingSample(sample_id, self.rows, t, int(loss_mask.sum()), checksum, flags, source)
@@ -206,8 +224,10 @@ class SegmentWriter:
             paths.INDEX: self._index_bytes(),
         }
         columns = {"input_ids": self._input_ids, "loss_mask": self._loss_masks}
+        if man.scaled:
+            columns[paths.SCALES] = self._scales
         for name, parts in columns.items():
-            dtype = np.dtype(COLUMN_DTYPES[name]).newbyteorder("<")
+            dtype = np.dtype(man.columns[name]).newbyteorder("<")
             data = np.concatenate(parts).astype(dtype, copy=False)
             body = zstandard.ZstdCompressor(level=COLUMN_ZSTD_LEVEL).compress(data.tobytes())
             small[f"{name}/zarr.json"] = zarr_meta.column_array_json(

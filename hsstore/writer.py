@@ -98,7 +98,11 @@ class Writer:
         hidden: torch.Tensor,
         *,
         source: str | None = None,
+        scales: torch.Tensor | np.ndarray | None = None,
     ) -> None:
+        """Append one sample: ``hidden`` [T, L, H] in the dataset's dtype. A dataset of a scaled
+        dtype (``float8_e4m3fn``) also takes ``scales``: the float32 scale of each token row
+        ([T], or [T, 1, 1] as hs-connectors writes it); other datasets refuse them."""
         if self._closed:
             raise ConflictError("writer is closed", path=str(self.ds.path))
         where = str(self.ds.path)
@@ -126,9 +130,10 @@ class Writer:
                 "sample id is already in the dataset", path=str(self.ds.path), sample_id=sample_id
             )
         hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
+        scale_column = self._validate_scales(sample_id, scales, hid.shape[0], source)
         if self._segment is None:
             self._segment = self._new_segment()
-        self._segment.add(sample_id, ids, mask, storage_view(hid), source)
+        self._segment.add(sample_id, ids, mask, storage_view(hid), source, scale_column)
         self._new_ids.add(sample_id)
         if self._segment.raw_bytes() >= self.segment_bytes:
             self._finish_segment()
@@ -184,6 +189,53 @@ class Writer:
             ids.numpy().astype("<i4"),
             mask.numpy().astype("<u1"),
         )
+
+    def _validate_scales(
+        self, sample_id: str, scales: Any, num_tokens: int, source: str | None
+    ) -> np.ndarray | None:
+        """The per-token scales as a float32 [T] array, or None for an unscaled dtype."""
+        where = source or str(self.ds.path)
+        dtype = self.manifest.dtype
+        if not self.manifest.scaled:
+            if scales is not None:
+                raise BadInputError(
+                    f"scales given, but a {dtype} dataset stores no per-token scales",
+                    path=where,
+                    sample_id=sample_id,
+                )
+            return None
+        if scales is None:
+            raise BadInputError(
+                f"a {dtype} dataset needs the per-token scales of each sample (scales=)",
+                path=where,
+                sample_id=sample_id,
+            )
+        if isinstance(scales, np.ndarray):
+            scales = torch.from_numpy(scales)
+        if not isinstance(scales, torch.Tensor):
+            raise BadInputError(
+                f"scales must be a tensor, got {type(scales).__name__}",
+                path=where,
+                sample_id=sample_id,
+            )
+        shape = tuple(scales.shape)
+        if (
+            scales.dtype != torch.float32
+            or scales.numel() != num_tokens
+            or (scales.dim() and shape[0] != num_tokens)
+        ):
+            raise BadInputError(
+                f"scales are {scales.dtype} {list(shape)}, expected float32 with one per token "
+                f"([{num_tokens}] or [{num_tokens}, 1, 1])",
+                path=where,
+                sample_id=sample_id,
+            )
+        flat = scales.detach().cpu().reshape(-1).contiguous()
+        if not bool(torch.all(torch.isfinite(flat) & (flat > 0))):
+            raise BadInputError(
+                "scales must be finite and positive", path=where, sample_id=sample_id
+            )
+        return flat.numpy().astype("<f4", copy=False)
 
     @property
     def bytes_written(self) -> int:

@@ -109,7 +109,8 @@ class HsstoreSource(AuditSource):
 
     def read(self, i: int) -> AuditSample:
         s = self.ds.read(i)
-        return AuditSample(s.sample_id, s.input_ids, s.loss_mask, s.hidden)
+        # fp8 states are audited as the trainer sees them (dequantized); others as stored.
+        return AuditSample(s.sample_id, s.input_ids, s.loss_mask, s.dequantized())
 
     def lengths(self) -> np.ndarray:
         return self.ds.index.column("num_tokens").to_numpy()
@@ -153,7 +154,7 @@ class ForeignSource(AuditSource):
 
     def read(self, i: int) -> AuditSample:
         item = self.reader.read(i)
-        return AuditSample(item.sample_id, item.input_ids, item.loss_mask, item.hidden)
+        return AuditSample(item.sample_id, item.input_ids, item.loss_mask, item.dequantized())
 
 
 def open_audit_source(

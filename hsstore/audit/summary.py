@@ -10,7 +10,7 @@ import numpy as np
 from hsstore.audit.collect import SampleRecord
 from hsstore.audit.inputs import AuditSource
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
 def length_distribution(lengths: np.ndarray, scope: str) -> dict[str, Any]:

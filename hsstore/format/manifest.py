@@ -41,15 +41,33 @@ OLDEST_READABLE_FORMAT = 1
 MAX_CHUNK_BYTES = 1 << 30
 MAX_NESTING = 64
 
-# logical dtype -> (torch dtype, storage numpy dtype). bf16 is stored as uint16 bit patterns:
-# zarr-python 3.1 has no bfloat16 data type, and uint16 keeps the bits exact.
+# logical dtype -> (torch dtype, storage numpy dtype). bf16 is stored as uint16 bit patterns and
+# fp8 as uint8 ones: zarr-python 3.1 has neither data type, and the integers keep the bits exact.
 DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
     "bfloat16": (torch.bfloat16, np.dtype("<u2")),
     "float16": (torch.float16, np.dtype("<f2")),
     "float32": (torch.float32, np.dtype("<f4")),
+    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype("u1")),
 }
-STORAGE_DTYPE_NAMES = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+STORAGE_DTYPE_NAMES = {
+    "bfloat16": "uint16",
+    "float16": "float16",
+    "float32": "float32",
+    "float8_e4m3fn": "uint8",
+}
 COLUMN_DTYPES = {"input_ids": "int32", "loss_mask": "uint8"}
+# A scaled dtype stores one float32 scale per token row in this column beside the states; a
+# state's value is ``stored * scale`` (hs-connectors' per-token FP8, see `hsstore.fp8`).
+SCALES_COLUMN = paths.SCALES
+SCALED_DTYPES = frozenset({"float8_e4m3fn"})
+
+
+def columns_for(dtype: str) -> dict[str, str]:
+    """The per-token columns a dataset of logical dtype ``dtype`` stores."""
+    columns = dict(COLUMN_DTYPES)
+    if dtype in SCALED_DTYPES:
+        columns[SCALES_COLUMN] = "float32"
+    return columns
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -57,7 +75,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     if isinstance(dtype, str):
         name = dtype.removeprefix("torch.")
         name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                "float": "float32"}.get(name, name)  # fmt: skip
+                "float": "float32", "fp8": "float8_e4m3fn"}.get(name, name)  # fmt: skip
     else:
         name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
@@ -66,9 +84,12 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def storage_view(t: torch.Tensor) -> np.ndarray:
-    """The storage-dtype numpy view of a CPU tensor (bf16 -> its uint16 bit patterns)."""
+    """The storage-dtype numpy view of a CPU tensor (bf16 -> its uint16 bit patterns, fp8 -> its
+    uint8 ones)."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view("<u2")
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy()
     return t.numpy()
 
 
@@ -245,6 +266,11 @@ class Manifest:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def scaled(self) -> bool:
+        """Do the states carry a per-token scale (column `SCALES_COLUMN`)?"""
+        return self.dtype in SCALED_DTYPES
+
     def check_compatible(
         self,
         layers: Sequence[LayerSpec],
@@ -419,6 +445,12 @@ class Manifest:
         if obj["storage_dtype"] != STORAGE_DTYPE_NAMES[man.dtype]:
             raise FormatError(
                 f"storage_dtype {obj['storage_dtype']} does not match dtype {man.dtype}", path=where
+            )
+        if man.columns.get(SCALES_COLUMN) != columns_for(man.dtype).get(SCALES_COLUMN):
+            raise FormatError(
+                f"columns {sorted(man.columns)} do not match dtype {man.dtype} (a per-token "
+                f"{SCALES_COLUMN!r} float32 column goes with {sorted(SCALED_DTYPES)} only)",
+                path=where,
             )
         if obj["num_samples"] != man.num_samples or obj["num_tokens"] != man.num_tokens:
             raise FormatError("num_samples/num_tokens disagree with the segment list", path=where)

@@ -13,12 +13,15 @@ STATES = "states"
 INDEX = "index.parquet"
 STATS = "stats.json"
 WRITING_LOCK = ".writing"
+# The per-token columns beside the states; SCALES only in datasets of a scaled dtype (fp8).
+TOKEN_COLUMNS = ("input_ids", "loss_mask")
+SCALES = "scales"
 
 # Every file of a committed segment except its shards (whose names `shard_relpath` makes).
 SEGMENT_SMALL_FILES = frozenset(
     {"zarr.json", f"{STATES}/zarr.json", INDEX, STATS}
-    | {f"{col}/zarr.json" for col in ("input_ids", "loss_mask")}
-    | {f"{col}/c/0" for col in ("input_ids", "loss_mask")}
+    | {f"{col}/zarr.json" for col in (*TOKEN_COLUMNS, SCALES)}
+    | {f"{col}/c/0" for col in (*TOKEN_COLUMNS, SCALES)}
 )
 # The highest version a commit has announced; it only moves forward, so a deleted newest
 # manifest is detected instead of silently rolling the dataset back.

@@ -95,7 +95,7 @@ class HsstoreFeatureStore(LocalFeatureStore):
         if not uri.startswith(URI_SCHEME):
             return super().get(sample_ref, device=device, names=names)
         s = self.ds[int(uri[len(URI_SCHEME) :])]
-        feats = specforge_features(s.input_ids, s.loss_mask, s.hidden, self.norm)
+        feats = specforge_features(s.input_ids, s.loss_mask, s.dequantized(), self.norm)
         wanted = names or list(sample_ref.feature_keys)
         tensors = {n: feats[sample_ref.feature_keys.get(n, n)].to(device) for n in wanted}
         # A lease like a file:// ref's, so release() and gc() treat it the same way

@@ -75,9 +75,12 @@ class HsstoreArrowDataset(BaseDataset):
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         s = self.ds[self.start + index]
+        # fp8 states dequantized as FP8Transfer does (hs_connectors/transfer.py, line 301 builds
+        # it with the default bf16); other dtypes as stored, as FileTransfer returns them.
+        hidden = s.dequantized()
         return {
-            "hidden_states": s.hidden[:, :-1].flatten(1),
+            "hidden_states": hidden[:, :-1].flatten(1),
             "input_ids": s.input_ids,
-            "verifier_last_hidden_states": s.hidden[:, -1],
+            "verifier_last_hidden_states": hidden[:, -1],
             "loss_mask": s.loss_mask,
         }

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from hsstore import fp8
 from hsstore.errors import BadInputError
 from hsstore.format.layers import LayerSpec
 
@@ -38,6 +39,7 @@ _BITS = {
     torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
     torch.float16: (torch.int16, 0x7FFF, 0x7C00),
     torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+    torch.float8_e4m3fn: (torch.int8, 0x7F, 0x7F),  # no Inf; NaN is S.1111.111 only
 }
 
 
@@ -50,10 +52,16 @@ class ForeignSample:
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # int64 0/1 [T]
     hidden: torch.Tensor  # [T, L, H] in the reader's dtype
+    scales: torch.Tensor | None = None  # float32 [T] per-token scales of fp8 states, else None
 
     @property
     def nbytes(self) -> int:
-        return self.hidden.numel() * self.hidden.element_size()
+        scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
+        return self.hidden.numel() * self.hidden.element_size() + scale_bytes
+
+    def dequantized(self) -> torch.Tensor:
+        """The states as values: fp8 ones as speculators' trainer dequantizes them, others as read."""
+        return self.hidden if self.scales is None else fp8.dequantize(self.hidden, self.scales)
 
 
 class ForeignReader(ABC):
@@ -457,8 +465,9 @@ def check_finite(t: torch.Tensor, path: str, what: str = "hidden states") -> Non
     unsigned = bits.view(bits.dtype.str.replace("i", "u"))
     if int(bits.max()) < first_bad and int(unsigned.max()) < (sign_off + 1) | first_bad:
         return
-    bad = ~torch.isfinite(t)
-    kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+    values = t.float() if t.dtype == torch.float8_e4m3fn else t  # fp8 has no isfinite kernel
+    bad = ~torch.isfinite(values)
+    kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
     where = bad.nonzero()[0].tolist()
     raise BadInputError(f"{what} contain {kind} (first at index {where})", path=path)
 

@@ -9,9 +9,10 @@ Layout (speculators ``scripts/prepare_data.py`` + ``scripts/data_generation_offl
   ``token_ids`` [T] (which must equal the row's ``input_ids``). The folder may sit elsewhere
   (speculators' ``--hidden-states-path``, ``hs_connectors/transfer.py`` ``FileBackend``).
 - the FP8 variant (hs-connectors 0.9 ``fp8_hidden_states_connector.py``) stores
-  ``hidden_states`` as ``float8_e4m3fn`` plus ``hidden_states_scales`` fp32 [T, 1, 1]; the
-  trainer reads ``fp8.to(bf16) * scale.to(bf16)`` (``hs_connectors/fp8_utils.py``
-  ``dequantize_fp8_tensor``, used by ``FP8Transfer``), and so does this reader.
+  ``hidden_states`` as ``float8_e4m3fn`` plus ``hidden_states_scales`` fp32 [T, 1, 1]; this
+  reader returns the fp8 states and the scales as they are (an hsstore ``float8_e4m3fn``
+  dataset keeps both), and the writer writes them back unchanged (`hsstore.fp8` holds the
+  trainer's dequantizing arithmetic).
 
 speculators 0.9's ``ArrowDataset`` (``speculators/train/data.py``, ``_get_raw_data``) takes every
 layer but the last as the drafter's input and the last as the verifier's final (pre-norm) state,
@@ -37,6 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from hsstore import fp8 as fp8_states
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
 from hsstore.format.conventions import VLLM, ConventionError, from_canonical, to_canonical
@@ -57,13 +59,12 @@ from hsstore.io.base import (
 FORMAT = "speculators-arrow"
 HS_DIR = "hidden_states"
 SCALES_KEY = "hidden_states_scales"  # hs_connectors/fp8_utils.py SCALES_KEY
-FP8_DTYPE = torch.float8_e4m3fn
 FP8_SAFETENSORS = "F8_E4M3"
 _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F32": torch.float32,
-    FP8_SAFETENSORS: torch.bfloat16,  # dequantized on read, as the trainer does
+    FP8_SAFETENSORS: fp8_states.FP8_DTYPE,  # kept as is, with its per-token scales
 }
 
 
@@ -168,7 +169,7 @@ class SpeculatorsArrowReader(ForeignReader):
         return self.hs_dir / f"hs_{i}.safetensors"
 
     def _probe(self) -> tuple[int, torch.dtype, bool, int]:
-        """(hidden size, dtype the trainer sees, stored as fp8?, layers) from the first file."""
+        """(hidden size, dtype, stored as fp8 with scales?, layers) from the first file."""
         for i in range(len(self)):
             p = self._hs_path(i)
             if not p.exists():
@@ -222,9 +223,9 @@ class SpeculatorsArrowReader(ForeignReader):
             raise BadInputError(
                 f"corrupt or truncated safetensors file ({exc})", path=where
             ) from None
-        if hidden.dtype == FP8_DTYPE:
-            hidden = dequantize_fp8(hidden, scales, len(input_ids), where)
-        if hidden.dtype not in FLOAT_DTYPES:
+        if hidden.dtype == fp8_states.FP8_DTYPE:
+            scales = check_scales(scales, len(input_ids), where)
+        elif hidden.dtype not in FLOAT_DTYPES:
             raise BadInputError(
                 f"hidden_states has dtype {hidden.dtype}, expected a float type", path=where
             )
@@ -237,27 +238,24 @@ class SpeculatorsArrowReader(ForeignReader):
             )
         check_hidden(hidden, t, len(self.layers), self.hidden_size, self.dtype, where)
         return ForeignSample(
-            f"hs_{i}", f"{HS_DIR}/hs_{i}.safetensors", input_ids, loss_mask, hidden
+            f"hs_{i}",
+            f"{HS_DIR}/hs_{i}.safetensors",
+            input_ids,
+            loss_mask,
+            hidden,
+            scales if hidden.dtype == fp8_states.FP8_DTYPE else None,
         )
 
     def provenance(self) -> dict[str, Any]:
         out = super().provenance()
         out["source_layer_ids"] = {"convention": VLLM, "ids": self.layer_ids}
-        if self.fp8:
-            out["source_encoding"] = "float8_e4m3fn with per-token scales, dequantized to bf16"
         if self.hs_dir != self.path / HS_DIR:
             out["hidden_states_path"] = str(self.hs_dir)
         return out
 
 
-def dequantize_fp8(
-    fp8: torch.Tensor, scales: torch.Tensor | None, num_tokens: int, where: str
-) -> torch.Tensor:
-    """What speculators' trainer sees: ``fp8.to(bf16) * scale.to(bf16)``.
-
-    Same arithmetic as hs-connectors 0.9 ``hs_connectors/fp8_utils.py`` ``dequantize_fp8_tensor``
-    with ``FP8Transfer``'s default ``dequantize_dtype=torch.bfloat16`` (``transfer.py``).
-    """
+def check_scales(scales: torch.Tensor | None, num_tokens: int, where: str) -> torch.Tensor:
+    """The ``hidden_states_scales`` of an fp8 file as float32 [T], or BadInputError."""
     if scales is None:
         raise BadInputError(f"float8 hidden_states without {SCALES_KEY!r}", path=where)
     if scales.dtype != torch.float32 or list(scales.shape) != [num_tokens, 1, 1]:
@@ -267,16 +265,9 @@ def dequantize_fp8(
             path=where,
         )
     check_finite(scales, where, what=SCALES_KEY)
-    return fp8.to(torch.bfloat16) * scales.to(torch.bfloat16)
-
-
-def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token fp8 exactly as hs-connectors 0.9 writes it (``fp8_utils.py``
-    ``quantize_tensor_to_fp8``): scale = max(amax / 448, 1e-12) over all but the token dim."""
-    fp32 = hidden.float()
-    amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
-    scale = (amax / torch.finfo(FP8_DTYPE).max).clamp(min=1e-12)
-    return (fp32 / scale).to(FP8_DTYPE), scale
+    if not bool((scales > 0).all()):
+        raise BadInputError(f"{SCALES_KEY} holds a scale <= 0", path=where)
+    return scales.reshape(-1)
 
 
 # --------------------------------------------------------------------------------- writing
@@ -314,7 +305,25 @@ def write_hidden_states(
     writes it: ``hidden_states`` [T, L, H], ``token_ids`` int64 [T] (+ fp8 ``hidden_states_scales``)."""
     tensors = {"hidden_states": hidden.contiguous(), "token_ids": input_ids.to(torch.int64)}
     if fp8:
-        tensors["hidden_states"], tensors[SCALES_KEY] = quantize_fp8(hidden)
+        quantized, scales = fp8_states.quantize(hidden)
+        tensors["hidden_states"], tensors[SCALES_KEY] = quantized, as_file_scales(scales, hidden)
+    atomic_write(path, lambda f: f.write(save(tensors)))
+
+
+def as_file_scales(scales: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Per-token scales [T] shaped as hs-connectors stores them: [T, 1, 1] for [T, L, H]."""
+    return scales.reshape(-1, *([1] * (hidden.dim() - 1))).contiguous()
+
+
+def write_fp8_states(
+    path: Path, input_ids: torch.Tensor, fp8: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """One fp8 ``hs_{i}.safetensors`` from states already quantized (the bits as they are)."""
+    tensors = {
+        "hidden_states": fp8.contiguous(),
+        "token_ids": input_ids.to(torch.int64),
+        SCALES_KEY: as_file_scales(scales, fp8),
+    }
     atomic_write(path, lambda f: f.write(save(tensors)))
 
 
@@ -369,6 +378,11 @@ class SpeculatorsArrowWriter(ForeignWriter):
     def write(self, k: int, input_ids, loss_mask, hidden) -> None:
         (self.out / HS_DIR).mkdir(exist_ok=True)
         write_hidden_states(self.sample_path(k), input_ids, hidden, fp8=self.fp8)
+
+    def write_fp8(self, k: int, input_ids, fp8, scales) -> None:
+        """Sample k of an fp8 dataset: its stored bits and per-token scales, not requantized."""
+        (self.out / HS_DIR).mkdir(exist_ok=True)
+        write_fp8_states(self.sample_path(k), input_ids, fp8, scales)
 
     def finish(self) -> None:
         write_rows(self.out, [self.ds.read_tokens(k) for k in range(len(self.ds))])

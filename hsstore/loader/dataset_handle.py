@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from hsstore import fp8
 from hsstore.dataset import Dataset
 from hsstore.dataset import open as open_dataset
 from hsstore.errors import BadInputError
@@ -91,7 +92,8 @@ class DatasetSource:
         self.layers = list(ds.layers)
         man = ds.manifest
         self.hidden_size = man.hidden_size
-        self.dtype = man.torch_dtype
+        # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
+        self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else man.torch_dtype
         self.data_fingerprint = _data_fingerprint(index)
         # A dataset object opened with another verify setting is reopened on first read.
         self._ds: Dataset | None = ds if self.verify_reads == ds.verify_reads else None
