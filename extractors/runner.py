@@ -52,6 +52,7 @@ class ExtractOptions:
     max_queue: int = 4
     progress: bool = True
     backend_options: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
 
 
 def run_extract(opts: ExtractOptions) -> dict[str, Any]:
@@ -79,11 +80,11 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
 
         if importlib.util.find_spec("sglang") is None:
             raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]' (GPU only)")
-    config = _load_config(opts.model)
+    config = _load_config(opts.model, opts.trust_remote_code)
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
     layers = parse_layers(opts.layers, n)
     dtype = _store_dtype(opts, config)
-    tokenizer = load_tokenizer(opts.model)
+    tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     device = _device(opts.device)
     _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
@@ -113,11 +114,14 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
         torch_threads=threads if device == "cpu" else None,
         encode_threads=threads,
         backend_options=tuple(sorted(opts.backend_options.items())),
+        trust_remote_code=opts.trust_remote_code,
     )
     specs = [replace(base, rank=base.rank + w) for w in range(opts.workers)]
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
-        if opts.workers == 1:
+        # an SGLang engine never lives in this process: closing one kills its process's
+        # children and can take the process itself down (see extractors/worker.py)
+        if opts.workers == 1 and opts.backend != "sglang":
             results = [run_worker(specs[0], progress.handle)]
         else:
             results = _run_spawned(specs, progress, gpus, opts)
@@ -137,16 +141,19 @@ def _sglang_engine_factory_given(opts: ExtractOptions) -> bool:
     return "engine_factory" in opts.backend_options
 
 
-def _load_config(model: str) -> Any:
+def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
+
+    from extractors.worker import remote_code_hint
 
     looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
         raise BadInputError("model directory not found", path=model)
     try:
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise BadInputError(f"cannot load a model config: {exc}", path=model) from exc
+        hint = remote_code_hint(exc, trust_remote_code)
+        raise BadInputError(f"cannot load a model config: {hint}", path=model) from exc
     return getattr(config, "text_config", None) or config
 
 
@@ -288,6 +295,7 @@ def _run_spawned(
     results: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
     finished: set[int] = set()
+    held: dict[int, list[str]] = {}  # the batch each worker has in its model right now
     ranks = [s.rank for s in specs]
     while len(finished) < len(procs):
         try:
@@ -296,14 +304,19 @@ def _run_spawned(
             for p, rank in zip(procs, ranks):
                 if rank not in finished and p.exitcode is not None:
                     finished.add(rank)
-                    errors.append(f"worker {rank} died (exit code {p.exitcode})")
+                    errors.append(
+                        f"worker {rank} died (exit code {p.exitcode})"
+                        + _holding(held.get(rank, []))
+                    )
             continue
         if kind == "done":
             results[rank] = payload
             finished.add(rank)
         elif kind == "error":
-            errors.append(f"worker {rank}: {payload['message']}")
+            errors.append(f"worker {rank}: {payload['message']}" + _holding(held.get(rank, [])))
             finished.add(rank)
+        elif kind == "batch":
+            held[rank] = list(payload["samples"])
         else:
             progress.handle((kind, rank, payload))
     for p in procs:
@@ -313,6 +326,13 @@ def _run_spawned(
             "; ".join(errors) + " (committed samples are kept; re-run to resume)", path=opts.out
         )
     return [results[r] for r in ranks]
+
+
+def _holding(samples: list[str]) -> str:
+    if not samples:
+        return ""
+    shown = ", ".join(samples[:8]) + (f" and {len(samples) - 8} more" if len(samples) > 8 else "")
+    return f" while extracting samples {shown} (not stored)"
 
 
 def _summary(

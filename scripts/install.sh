@@ -9,5 +9,7 @@ PY=${PYTHON:-python3}
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e '.[dev]'
+# The sglang wheel's sources are read (never imported) by the SGLang contract tests; no deps.
+ls .cache/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_34_x86_64 "sglang==0.5.23" -d .cache/wheels
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"
 echo "activate with: . .venv/bin/activate"

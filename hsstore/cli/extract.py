@@ -59,6 +59,12 @@ from hsstore.cli._common import emit_json, handle_errors
 @click.option("--commit-seconds", type=float, default=300.0, show_default=True)
 @click.option("--tp-size", type=int, default=None, help="sglang: tensor parallel size per worker.")
 @click.option("--mem-fraction", type=float, default=None, help="sglang: mem_fraction_static.")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run the model's own config/tokenizer/model code (e.g. Kimi-K2.x); only for models "
+    "you trust.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
@@ -81,6 +87,7 @@ def command(
     commit_seconds: float,
     tp_size: int | None,
     mem_fraction: float | None,
+    trust_remote_code: bool,
     no_progress: bool,
     as_json: bool,
 ) -> None:
@@ -115,6 +122,7 @@ def command(
             commit_seconds=commit_seconds,
             progress=not no_progress,
             backend_options=backend_options,
+            trust_remote_code=trust_remote_code,
         )
     )
     if as_json:
