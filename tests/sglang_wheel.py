@@ -131,6 +131,7 @@ class SGLangModels:
                 if name.startswith(MODELS) and rest.endswith(".py") and "/" not in rest:
                     self.sources[rest[:-3]] = zf.read(name).decode()
         self.trees = {m: ast.parse(src) for m, src in self.sources.items()}
+        self._compiled: dict[tuple[str, int], object] = {}
         self.classes: dict[tuple[str, str], ClassRef] = {}
         self.imports: dict[tuple[str, str], tuple[str, str]] = {}
         for module, tree in self.trees.items():
@@ -243,10 +244,13 @@ class SGLangModels:
         if found is None:
             raise Unclassifiable(f"{ref.where}: no {SETTER}")
         owner, func = found
-        source = textwrap.dedent(ast.get_source_segment(self.sources[owner.module], func))
+        key = (owner.module, func.lineno)
+        if key not in self._compiled:
+            source = textwrap.dedent(ast.get_source_segment(self.sources[owner.module], func))
+            self._compiled[key] = compile(source, f"{owner.module}.py", "exec")
         log: list = []
         namespace = _Globals(log, n)
-        exec(compile(source, f"{owner.module}.py", "exec"), namespace)
+        exec(self._compiled[key], namespace)
         fn = namespace[func.name]
         fn(_Probe("self", log, n), None if ids is None else list(ids))
         return log
