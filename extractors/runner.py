@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from extractors.batching import parse_shard
@@ -53,12 +54,50 @@ class ExtractOptions:
     progress: bool = True
     backend_options: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    check_against: str | None = None  # a second backend to compare this run's samples with
+    check_tolerance: float | None = None
 
 
 def run_extract(opts: ExtractOptions) -> dict[str, Any]:
-    """Run an extraction end to end; returns the summary printed by the CLI."""
-    if opts.backend not in ("transformers", "sglang"):
-        raise BadInputError(f"unknown backend {opts.backend!r}; use transformers or sglang")
+    """Run an extraction end to end; returns the summary printed by the CLI.
+
+    With ``check_against``, the same prompts are then extracted by that backend into a
+    temporary dataset and compared layer by layer (``summary["check"]``, see extractors/check.py).
+    """
+    summary = _run_extract(opts)
+    if opts.check_against:
+        summary["check"] = _check_against(opts)
+    return summary
+
+
+def _check_against(opts: ExtractOptions) -> dict[str, Any]:
+    import tempfile
+
+    import hsstore
+    from extractors.check import DEFAULT_TOLERANCE, compare_datasets, verdict
+
+    stored_dtype = hsstore.open(opts.out).manifest.dtype
+    with tempfile.TemporaryDirectory(prefix="hsstore-check-") as tmp:
+        reference = replace(
+            opts,
+            backend=opts.check_against,
+            out=str(Path(tmp) / "reference"),
+            dtype=stored_dtype,
+            check_against=None,
+            workers=1,
+            backend_options={},
+            progress=False,
+        )
+        _run_extract(reference)
+        report = compare_datasets(reference.out, opts.out)
+    tolerance = opts.check_tolerance if opts.check_tolerance is not None else DEFAULT_TOLERANCE
+    return {"against": opts.check_against, **verdict(report, tolerance)}
+
+
+def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
+    for backend in (opts.backend, opts.check_against):
+        if backend is not None and backend not in ("transformers", "sglang"):
+            raise BadInputError(f"unknown backend {backend!r}; use transformers or sglang")
     for name, value in (
         ("--workers", opts.workers),
         ("--batch-size", opts.batch_size),

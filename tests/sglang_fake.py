@@ -98,6 +98,8 @@ class FakeSGLangEngine:
         assert all(0 <= v < n for v in captured), (architecture, ids, captured)
         assert len(set(captured)) == len(ids), (architecture, ids, captured)
         self.capture = sorted(captured)  # the model loop captures in layer order
+        if self.faults.get("wrong_layer"):  # a rule hsstore got wrong: one layer too deep
+            self.capture = [min(v + 1, n - 1) for v in self.capture]
         self.hooks = [self._resolve_hook(spec) for spec in server_args.get("forward_hooks") or []]
         self.shut = False
 

@@ -366,3 +366,46 @@ def test_failure_mid_run_keeps_earlier_batches_and_resumes(tiny, prompts, tmp_pa
     summary = run_extract(ExtractOptions(**opts, backend_options={"engine_factory": factory()}))
     assert summary["samples_already_present"] == 2 and summary["samples_written"] == 1
     assert shortest.sample_id in hsstore.open(out)
+
+
+def test_check_against_transformers_passes_and_catches_a_wrong_layer(tiny, prompts, tmp_path):
+    common = dict(
+        model=str(tiny),
+        data=str(prompts),
+        backend="sglang",
+        dtype="float32",
+        layers="1,2,3,final",
+        limit=2,
+        progress=False,
+        check_against="transformers",
+    )
+    good = run_extract(
+        ExtractOptions(
+            out=str(tmp_path / "ok"), backend_options={"engine_factory": factory()}, **common
+        )
+    )
+    check = good["check"]
+    assert check["ok"] and check["samples"] == 2 and check["problems"] == []
+    assert max(check["max_rel_err"]) < 1e-4
+    wrong = factory(faults={"wrong_layer": True})
+    bad = run_extract(
+        ExtractOptions(
+            out=str(tmp_path / "bad"), backend_options={"engine_factory": wrong}, **common
+        )
+    )["check"]
+    assert not bad["ok"]
+    assert any("after 2: " in p and "a wrong layer?" in p for p in bad["problems"])
+
+
+def test_cli_check_against_on_cpu(tiny, prompts, tmp_path):
+    from click.testing import CliRunner
+
+    from hsstore.cli import main
+
+    args = ["extract", "--model", str(tiny), "--data", str(prompts), "--out", str(tmp_path / "d")]
+    result = CliRunner().invoke(
+        main, [*args, "--check-against", "transformers", "--limit", "2", "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "check against transformers on 2 samples: OK" in result.output
+    assert "max relative error 0," in result.output
