@@ -11,8 +11,8 @@ is usable, and a crash loses only uncommitted work, at any moment.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_mod
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -317,47 +317,62 @@ def _env(**values: str | None):
 def _run_spawned(
     specs: list[WorkerSpec], progress: Progress, gpus: list[str], opts: ExtractOptions
 ) -> list[dict[str, Any]]:
+    """Run one spawned process per spec; each reports through its own pipe.
+
+    A pipe, unlike a multiprocessing queue, hands each event to the kernel before ``send``
+    returns, so the batch a worker announced is known here even if the worker dies the next
+    instant (a queue's feeder thread would lose it).
+    """
     ctx = mp.get_context("spawn")
-    events = ctx.Queue()
     per_worker = max(1, int(opts.backend_options.get("tp_size", 1)))
     procs = []
+    pipes: dict[Any, int] = {}  # read end -> rank
     for w, spec in enumerate(specs):
         visible = None
         if gpus:
             mine = [gpus[(w * per_worker + k) % len(gpus)] for k in range(per_worker)]
             visible = ",".join(mine)
             spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
+        reader, writer = ctx.Pipe(duplex=False)
         with _env(CUDA_VISIBLE_DEVICES=visible):
-            p = ctx.Process(target=worker_process_main, args=(spec, events), daemon=False)
+            p = ctx.Process(target=worker_process_main, args=(spec, writer), daemon=False)
             p.start()
+        writer.close()  # the worker holds the only write end: its death closes the pipe
         procs.append(p)
+        pipes[reader] = spec.rank
     results: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
     finished: set[int] = set()
     held: dict[int, list[str]] = {}  # the batch each worker has in its model right now
     ranks = [s.rank for s in specs]
-    while len(finished) < len(procs):
-        try:
-            kind, rank, payload = events.get(timeout=1.0)
-        except queue_mod.Empty:
-            for p, rank in zip(procs, ranks):
-                if rank not in finished and p.exitcode is not None:
+    by_rank = dict(zip(ranks, procs))
+    while pipes:
+        for conn in mp_connection.wait(list(pipes), timeout=1.0):
+            rank = pipes[conn]
+            try:
+                kind, _, payload = conn.recv()
+            except EOFError:  # the worker is gone; everything it sent has been read
+                del pipes[conn]
+                conn.close()
+                if rank not in finished:
+                    proc = by_rank[rank]
+                    proc.join()
                     finished.add(rank)
                     errors.append(
-                        f"worker {rank} died (exit code {p.exitcode})"
+                        f"worker {rank} died (exit code {proc.exitcode})"
                         + _holding(held.get(rank, []))
                     )
-            continue
-        if kind == "done":
-            results[rank] = payload
-            finished.add(rank)
-        elif kind == "error":
-            errors.append(f"worker {rank}: {payload['message']}" + _holding(held.get(rank, [])))
-            finished.add(rank)
-        elif kind == "batch":
-            held[rank] = list(payload["samples"])
-        else:
-            progress.handle((kind, rank, payload))
+                continue
+            if kind == "done":
+                results[rank] = payload
+                finished.add(rank)
+            elif kind == "error":
+                errors.append(f"worker {rank}: {payload['message']}" + _holding(held.get(rank, [])))
+                finished.add(rank)
+            elif kind == "batch":
+                held[rank] = list(payload["samples"])
+            else:
+                progress.handle((kind, rank, payload))
     for p in procs:
         p.join()
     if errors:

@@ -231,19 +231,13 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
 
 
 def worker_process_main(spec: WorkerSpec, events: Any) -> None:
-    """Entry point of a spawned worker: report through ``events``, die with the parent."""
+    """Entry point of a spawned worker: report through the pipe ``events`` (whose ``send``
+    has handed each event over when it returns, so none is lost if this process dies right
+    after), die with the parent."""
     _exit_with_parent()
-
-    def emit(event: Event) -> None:
-        events.put(event)
-        if event[0] in ("done", "error"):
-            # flush the queue's feeder thread now: closing the backend may kill this process
-            events.close()
-            events.join_thread()
-
     # an error was already reported to the parent, which owns the exit code
     with contextlib.suppress(BaseException):
-        run_worker(spec, emit)
+        run_worker(spec, events.send)
 
 
 def _exit_with_parent() -> None:
