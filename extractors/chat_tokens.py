@@ -18,6 +18,12 @@ assistant turns) break the prefix property; then the message content itself is s
 the full rendering after the previous span, and if it cannot be found the row is skipped, never
 given a guessed mask. Character spans become token masks through the fast tokenizer's offset
 mapping: a token is in the mask when its first character is inside a span.
+
+Slow (Python) tokenizers, such as Kimi-K2.x's tiktoken one, have no offset mapping. For them the
+rendering is cut at the span boundaries and each piece is tokenised on its own; the pieces'
+tokens are used only if together they are exactly the tokens of the whole rendering (template
+boundaries sit next to special tokens, so this holds for the usual templates). Otherwise the
+row is skipped with that reason, never given a guessed mask.
 """
 
 from __future__ import annotations
@@ -51,12 +57,6 @@ class ChatTokenizer:
     """Tokenises prompts for one model; ``max_length`` truncates (None = keep everything)."""
 
     def __init__(self, tokenizer: Any, *, max_length: int | None = None, path: str | None = None):
-        if not getattr(tokenizer, "is_fast", False):
-            raise BadInputError(
-                "the tokenizer is not a fast (Rust) tokenizer; offsets are needed to build "
-                "loss masks",
-                path=path,
-            )
         if max_length is not None and max_length < 1:
             raise BadInputError(f"--max-length must be >= 1, got {max_length}")
         self.tokenizer = tokenizer
@@ -117,12 +117,34 @@ class ChatTokenizer:
         spans = self._assistant_spans(messages, full)
         if isinstance(spans, str):
             return spans
+        if not getattr(self.tokenizer, "is_fast", False):
+            return self._mask_by_pieces(full, spans)
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         mask = [
             1 if end > start and any(a <= start < b for a, b in spans) else 0
             for start, end in enc["offset_mapping"]
         ]
+        return ids, mask
+
+    def _mask_by_pieces(
+        self, full: str, spans: list[tuple[int, int]]
+    ) -> tuple[list[int], list[int]] | str:
+        """Slow tokenizers: tokenise the text between span boundaries piece by piece."""
+        cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+        ids: list[int] = []
+        mask: list[int] = []
+        for a, b in zip(cuts, cuts[1:]):
+            piece = list(self.tokenizer(full[a:b], add_special_tokens=False)["input_ids"])
+            inside = int(any(s <= a < e for s, e in spans))
+            ids += piece
+            mask += [inside] * len(piece)
+        whole = list(self.tokenizer(full, add_special_tokens=False)["input_ids"])
+        if ids != whole:
+            return (
+                "slow tokenizer: a token crosses an assistant-turn boundary, so the loss mask "
+                "cannot be derived (use a fast tokenizer for this model if one exists)"
+            )
         return ids, mask
 
     def _assistant_spans(

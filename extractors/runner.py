@@ -11,12 +11,13 @@ is usable, and a crash loses only uncommitted work, at any moment.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue as queue_mod
 import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from extractors.batching import parse_shard
@@ -52,12 +53,51 @@ class ExtractOptions:
     max_queue: int = 4
     progress: bool = True
     backend_options: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+    check_against: str | None = None  # a second backend to compare this run's samples with
+    check_tolerance: float | None = None
 
 
 def run_extract(opts: ExtractOptions) -> dict[str, Any]:
-    """Run an extraction end to end; returns the summary printed by the CLI."""
-    if opts.backend not in ("transformers", "sglang"):
-        raise BadInputError(f"unknown backend {opts.backend!r}; use transformers or sglang")
+    """Run an extraction end to end; returns the summary printed by the CLI.
+
+    With ``check_against``, the same prompts are then extracted by that backend into a
+    temporary dataset and compared layer by layer (``summary["check"]``, see extractors/check.py).
+    """
+    summary = _run_extract(opts)
+    if opts.check_against:
+        summary["check"] = _check_against(opts)
+    return summary
+
+
+def _check_against(opts: ExtractOptions) -> dict[str, Any]:
+    import tempfile
+
+    import hsstore
+    from extractors.check import DEFAULT_TOLERANCE, compare_datasets, verdict
+
+    stored_dtype = hsstore.open(opts.out).manifest.dtype
+    with tempfile.TemporaryDirectory(prefix="hsstore-check-") as tmp:
+        reference = replace(
+            opts,
+            backend=opts.check_against,
+            out=str(Path(tmp) / "reference"),
+            dtype=stored_dtype,
+            check_against=None,
+            workers=1,
+            backend_options={},
+            progress=False,
+        )
+        _run_extract(reference)
+        report = compare_datasets(reference.out, opts.out)
+    tolerance = opts.check_tolerance if opts.check_tolerance is not None else DEFAULT_TOLERANCE
+    return {"against": opts.check_against, **verdict(report, tolerance)}
+
+
+def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
+    for backend in (opts.backend, opts.check_against):
+        if backend is not None and backend not in ("transformers", "sglang"):
+            raise BadInputError(f"unknown backend {backend!r}; use transformers or sglang")
     for name, value in (
         ("--workers", opts.workers),
         ("--batch-size", opts.batch_size),
@@ -79,11 +119,11 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
 
         if importlib.util.find_spec("sglang") is None:
             raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]' (GPU only)")
-    config = _load_config(opts.model)
+    config = _load_config(opts.model, opts.trust_remote_code)
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
     layers = parse_layers(opts.layers, n)
     dtype = _store_dtype(opts, config)
-    tokenizer = load_tokenizer(opts.model)
+    tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     device = _device(opts.device)
     _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
@@ -113,11 +153,14 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
         torch_threads=threads if device == "cpu" else None,
         encode_threads=threads,
         backend_options=tuple(sorted(opts.backend_options.items())),
+        trust_remote_code=opts.trust_remote_code,
     )
     specs = [replace(base, rank=base.rank + w) for w in range(opts.workers)]
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
-        if opts.workers == 1:
+        # an SGLang engine never lives in this process: closing one kills its process's
+        # children and can take the process itself down (see extractors/worker.py)
+        if opts.workers == 1 and opts.backend != "sglang":
             results = [run_worker(specs[0], progress.handle)]
         else:
             results = _run_spawned(specs, progress, gpus, opts)
@@ -137,16 +180,19 @@ def _sglang_engine_factory_given(opts: ExtractOptions) -> bool:
     return "engine_factory" in opts.backend_options
 
 
-def _load_config(model: str) -> Any:
+def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
+
+    from extractors.worker import remote_code_hint
 
     looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
         raise BadInputError("model directory not found", path=model)
     try:
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise BadInputError(f"cannot load a model config: {exc}", path=model) from exc
+        hint = remote_code_hint(exc, trust_remote_code)
+        raise BadInputError(f"cannot load a model config: {hint}", path=model) from exc
     return getattr(config, "text_config", None) or config
 
 
@@ -261,41 +307,62 @@ def _env(**values: str | None):
 def _run_spawned(
     specs: list[WorkerSpec], progress: Progress, gpus: list[str], opts: ExtractOptions
 ) -> list[dict[str, Any]]:
+    """Run one spawned process per spec; each reports through its own pipe.
+
+    A pipe, unlike a multiprocessing queue, hands each event to the kernel before ``send``
+    returns, so the batch a worker announced is known here even if the worker dies the next
+    instant (a queue's feeder thread would lose it).
+    """
     ctx = mp.get_context("spawn")
-    events = ctx.Queue()
     per_worker = max(1, int(opts.backend_options.get("tp_size", 1)))
     procs = []
+    pipes: dict[Any, int] = {}  # read end -> rank
     for w, spec in enumerate(specs):
         visible = None
         if gpus:
             mine = [gpus[(w * per_worker + k) % len(gpus)] for k in range(per_worker)]
             visible = ",".join(mine)
             spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
+        reader, writer = ctx.Pipe(duplex=False)
         with _env(CUDA_VISIBLE_DEVICES=visible):
-            p = ctx.Process(target=worker_process_main, args=(spec, events), daemon=False)
+            p = ctx.Process(target=worker_process_main, args=(spec, writer), daemon=False)
             p.start()
+        writer.close()  # the worker holds the only write end: its death closes the pipe
         procs.append(p)
+        pipes[reader] = spec.rank
     results: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
     finished: set[int] = set()
+    held: dict[int, list[str]] = {}  # the batch each worker has in its model right now
     ranks = [s.rank for s in specs]
-    while len(finished) < len(procs):
-        try:
-            kind, rank, payload = events.get(timeout=1.0)
-        except queue_mod.Empty:
-            for p, rank in zip(procs, ranks):
-                if rank not in finished and p.exitcode is not None:
+    by_rank = dict(zip(ranks, procs))
+    while pipes:
+        for conn in mp_connection.wait(list(pipes), timeout=1.0):
+            rank = pipes[conn]
+            try:
+                kind, _, payload = conn.recv()
+            except EOFError:  # the worker is gone; everything it sent has been read
+                del pipes[conn]
+                conn.close()
+                if rank not in finished:
+                    proc = by_rank[rank]
+                    proc.join()
                     finished.add(rank)
-                    errors.append(f"worker {rank} died (exit code {p.exitcode})")
-            continue
-        if kind == "done":
-            results[rank] = payload
-            finished.add(rank)
-        elif kind == "error":
-            errors.append(f"worker {rank}: {payload['message']}")
-            finished.add(rank)
-        else:
-            progress.handle((kind, rank, payload))
+                    errors.append(
+                        f"worker {rank} died (exit code {proc.exitcode})"
+                        + _holding(held.get(rank, []))
+                    )
+                continue
+            if kind == "done":
+                results[rank] = payload
+                finished.add(rank)
+            elif kind == "error":
+                errors.append(f"worker {rank}: {payload['message']}" + _holding(held.get(rank, [])))
+                finished.add(rank)
+            elif kind == "batch":
+                held[rank] = list(payload["samples"])
+            else:
+                progress.handle((kind, rank, payload))
     for p in procs:
         p.join()
     if errors:
@@ -303,6 +370,13 @@ def _run_spawned(
             "; ".join(errors) + " (committed samples are kept; re-run to resume)", path=opts.out
         )
     return [results[r] for r in ranks]
+
+
+def _holding(samples: list[str]) -> str:
+    if not samples:
+        return ""
+    shown = ", ".join(samples[:8]) + (f" and {len(samples) - 8} more" if len(samples) > 8 else "")
+    return f" while extracting samples {shown} (not stored)"
 
 
 def _summary(

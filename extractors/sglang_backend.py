@@ -1,34 +1,47 @@
 """Hidden states from SGLang's offline ``Engine`` (GPU only; ``pip install '.[sglang]'``).
 
-How SGLang is driven (sources and versions in docs/EXTRACT.md):
+How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``):
 
-* Aux layers (depths 1..N-1) come from an engine started with
-  ``enable_return_aux_hidden_states=True`` + ``speculative_algorithm="EAGLE3"`` (the capture
-  convention; no draft is loaded) and explicit ``return_aux_hidden_state_layer_ids``. Those ids
-  are computed from canonical depths by :mod:`hsstore.format.conventions` (``sglang-llama``, or
-  ``sglang-deepseek`` for the model classes that use that rule). SGLang returns the captured
-  states concatenated along the feature axis, ``[T, K*H]``, in ascending layer order whatever
-  order the ids were passed in.
-* With aux capture on, SGLang returns the aux states *instead of* the final state, so the
-  ``final`` layer (post-norm) comes from a second engine started with
-  ``enable_return_hidden_states=True`` and no aux capture (each engine gets half the memory
-  fraction). ``final-prenorm`` and depth 0 have no SGLang id and are refused up front.
-* Every engine runs with ``disable_radix_cache`` and ``chunked_prefill_size=-1``: a prefix-cache
-  hit or a prefill split into chunks returns fewer rows than prompt tokens (older releases even
-  misalign them). Requests go by ``input_ids`` with ``max_new_tokens=1`` and
-  ``return_hidden_states=True``.
-* Every response is checked: prompt_tokens, cached_tokens == 0, and exactly T rows of the
-  expected width; anything else raises, naming the sample. A truncated response never turns
-  into a stored sample.
+* **One engine, one forward per batch.** The engine runs with
+  ``enable_return_aux_hidden_states=True`` + ``speculative_algorithm="EAGLE3"`` (capture only,
+  no draft: ``arg_groups/validation_hook.py`` ``handle_aux_hidden_state_capture``) and explicit
+  ``return_aux_hidden_state_layer_ids``. With aux capture on, the logits processor keeps the
+  state it feeds the LM head as ``last_hidden_states`` next to the aux states
+  (``layers/logits_processor.py`` ``_get_last_hidden_states_to_store``), but the response only
+  carries ``hidden_states``. A forward hook, attached through SGLang's own ``forward_hooks``
+  server argument (``model_executor/hook_manager.py``), appends that final state to the aux
+  rows (:mod:`extractors.sglang_hook`), so one response holds ``[T, (K+1)*H]``: the K aux
+  captures in ascending layer order, then the final state. Hooks only run on the eager path,
+  so prefill (and decode) CUDA graphs are disabled; ``max_new_tokens=1`` never decodes.
+* **Layer ids right by construction.** Model classes disagree on what an id means
+  (``models/llama.py`` captures layer ``id + 1``; ``models/deepseek_v2.py``, which Kimi-K2.5,
+  GLM-5 and Mistral Large 3 inherit, adds 1 only when the first id is 1; ``models/gpt_oss.py``
+  keeps ids whose maximum is N). Every rule shifts every id by one when the list starts with
+  1 and stays below N, so the ids sent are always ``[1, ...]`` (depth 2 first) and a capture
+  that was not asked for is dropped. At least two aux layers are always captured so that a
+  model which returns its pre-norm state in place of the aux states (``_get_hidden_states_to_
+  store`` prefers ``hidden_states_before_norm``) gives a response of the wrong width, which is
+  refused, never stored. tests/test_extract_sglang_contract.py checks this for every model
+  class of the wheel.
+* **Norm semantics.** ``final`` is the tensor the model hands its logits processor to project
+  with the LM head (after the final norm); ``final-prenorm`` and depth 0 have no SGLang capture
+  and are refused up front.
+* Radix cache off and ``chunked_prefill_size=-1``: a prefix-cache hit or a chunked prefill
+  returns fewer rows than prompt tokens. Every response is checked (prompt_tokens,
+  cached_tokens == 0, T rows of the expected width) and anything else raises, naming the sample.
+* **One engine per process.** ``Engine.shutdown`` kills every child of its process
+  (``entrypoints/engine.py``), so the runner always runs this backend in a spawned worker
+  process and never in the parent (see :mod:`extractors.runner`).
 
-The engine is created through ``engine_factory`` so tests can pass a fake that returns SGLang's
-response shapes; by default it is ``sglang.Engine``.
+The engine is created through ``engine_factory`` so tests can pass a fake that answers in
+SGLang's response shapes; by default it is ``sglang.Engine``.
 """
 
 from __future__ import annotations
 
-import re
+import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,50 +49,49 @@ import torch
 
 from extractors.chat_tokens import TokenizedPrompt
 from hsstore.errors import BadInputError, HsstoreError
-from hsstore.format import conventions
 from hsstore.format.layers import LayerSpec
 
-# Model classes whose set_eagle3_layers_to_capture applies the "+1 only when the first id is 1"
-# rule (sglang 0.5.23: models/deepseek_v2.py, models/glm4_moe_lite.py). Every other model class
-# with EAGLE-3 capture adds 1 to each id (models/llama.py and the rest).
-DEEPSEEK_RULE_ARCHITECTURES = frozenset(
-    {
-        "DeepseekV2ForCausalLM",
-        "DeepseekV3ForCausalLM",
-        "DeepseekV32ForCausalLM",
-        "Glm4MoeLiteForCausalLM",
-    }
-)
+# Versions whose sources this adapter was checked against (docs/EXTRACT.md). Others are refused
+# unless HSSTORE_SGLANG_UNTESTED=1, after validating with --check-against transformers.
+TESTED_SGLANG_VERSIONS = ("0.5.23",)
+UNTESTED_ENV = "HSSTORE_SGLANG_UNTESTED"
+HOOK_FACTORY = "extractors.sglang_hook:final_state_hook"
+# The id every capture list starts with: under each rule in the wheel, a list that starts with 1
+# (and stays below N) captures the residual entering layer id + 1.
+ANCHOR_ID = 1
 
 
 class SGLangResponseError(HsstoreError):
     """SGLang answered, but not with one full row of hidden states per prompt token."""
 
 
-def sglang_convention(architectures: Sequence[str] | None) -> str:
-    """The layer-id convention SGLang applies to this model's aux ids."""
-    arch = architectures[0] if architectures else ""
-    if arch in DEEPSEEK_RULE_ARCHITECTURES:
-        return conventions.SGLANG_DEEPSEEK
-    return conventions.SGLANG_LLAMA
+@dataclass(frozen=True)
+class CapturePlan:
+    """What to ask SGLang for and where each returned block goes.
 
-
-def plan_layers(
-    layers: Sequence[LayerSpec], num_hidden_layers: int, architectures: Sequence[str] | None
-) -> tuple[list[int], list[int], bool]:
-    """Split stored layers into SGLang requests.
-
-    Returns ``(aux_ids, aux_positions, want_final)``: the ids to pass as
-    ``return_aux_hidden_state_layer_ids``, for each stored layer position served by aux capture
-    the order SGLang returns them in (ascending depth), and whether the final post-norm state is
-    needed (second engine).
+    ``aux_ids`` is sent as ``return_aux_hidden_state_layer_ids``; SGLang returns one block per
+    captured depth in ascending order (``captured_depths``), then the hook's final state.
+    ``slots[j]`` is the stored layer position of block j (the last block is the final state),
+    or None for a block captured only to make the ids rule-independent.
     """
+
+    aux_ids: list[int]
+    captured_depths: list[int]
+    slots: list[int | None]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.captured_depths) + 1
+
+
+def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> CapturePlan:
+    """Choose SGLang ids that capture exactly the requested depths under every model's rule."""
     n = num_hidden_layers
-    aux: list[tuple[int, LayerSpec]] = []
-    want_final = False
+    wanted: dict[int, int] = {}
+    final_slot: int | None = None
     for pos, spec in enumerate(layers):
         if spec.final_norm and spec.depth == n:
-            want_final = True
+            final_slot = pos
         elif spec.depth == n:
             raise BadInputError(
                 "the sglang backend cannot return final-prenorm (the residual after the last "
@@ -92,24 +104,23 @@ def plan_layers(
                 "must be >= 0, which starts at depth 1; use the transformers backend"
             )
         else:
-            aux.append((pos, spec))
-    if not aux:
-        return [], [], want_final
-    convention = sglang_convention(architectures)
-    # SGLang returns captures in layer order, so the id order is free: pass deepest first so the
-    # deepseek rule never sees a leading id of 1 unless there is a single depth-1 layer.
-    by_depth_desc = sorted((spec for _, spec in aux), key=lambda s: -s.depth)
-    try:
-        ids = conventions.from_canonical(convention, by_depth_desc, n)
-    except conventions.ConventionError as exc:
-        raise BadInputError(f"sglang backend: {exc}") from exc
-    ascending = sorted(aux, key=lambda item: item[1].depth)
-    positions = [pos for pos, _ in ascending]
-    return ids, positions, want_final
+            wanted[spec.depth] = pos
+    if n < 3:
+        raise BadInputError(
+            f"the sglang backend needs a model with at least 3 decoder layers (this one has {n}):"
+            " its layer ids are made rule-independent by always capturing depth 2"
+        )
+    depths = set(wanted) | {ANCHOR_ID + 1}
+    if len(depths) < 2:  # see module docstring: a pre-norm substitution must change the width
+        depths.add(1)
+    captured = sorted(depths)
+    aux_ids = [ANCHOR_ID] + [d - 1 for d in captured if d - 1 != ANCHOR_ID]
+    slots = [wanted.get(d) for d in captured] + [final_slot]
+    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots)
 
 
 def rows_from_response(
-    response: Any, *, num_tokens: int, width: int, sample_id: str, what: str
+    response: Any, *, num_tokens: int, width: int, sample_id: str, hidden_size: int | None = None
 ) -> torch.Tensor:
     """One SGLang response -> a float32 ``[num_tokens, width]`` tensor, or a loud error.
 
@@ -119,7 +130,7 @@ def rows_from_response(
     """
 
     def fail(msg: str) -> SGLangResponseError:
-        return SGLangResponseError(f"sglang {what} response: {msg}", sample_id=sample_id)
+        return SGLangResponseError(f"sglang response: {msg}", sample_id=sample_id)
 
     if not isinstance(response, dict) or not isinstance(response.get("meta_info"), dict):
         raise fail("no meta_info")
@@ -149,7 +160,15 @@ def rows_from_response(
             "(chunked prefill or prefix caching enabled?)"
         )
     if rows.shape[1] != width:
-        raise fail(f"rows have width {rows.shape[1]}, expected {width}")
+        why = ""
+        if hidden_size and rows.shape[1] == width - hidden_size:
+            why = (
+                " (the final state was not appended: the forward hook did not run, e.g. a "
+                "CUDA graph replayed the prefill, or this SGLang keeps no last_hidden_states)"
+            )
+        elif hidden_size and rows.shape[1] in (hidden_size, 2 * hidden_size):
+            why = " (the model returned its pre-norm final state instead of the aux captures)"
+        raise fail(f"rows have width {rows.shape[1]}, expected {width}{why}")
     if not np.isfinite(rows).all():
         raise fail("non-finite values in hidden_states")
     return torch.from_numpy(rows)
@@ -157,50 +176,58 @@ def rows_from_response(
 
 def engine_kwargs(
     model_dir: str,
+    plan: CapturePlan,
     *,
-    aux_ids: list[int] | None,
+    hidden_size: int,
     tp_size: int,
     mem_fraction_static: float | None,
     dtype: str,
+    trust_remote_code: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Server arguments for one engine: aux capture when ``aux_ids`` is given, else final."""
+    """Server arguments of the one engine (every name is a field of sglang 0.5.23's
+    ServerArgs, ``arg_groups/fields/*.py``; the contract test checks them against the wheel)."""
     kwargs: dict[str, Any] = {
         "model_path": model_dir,
         "skip_tokenizer_init": True,
+        "trust_remote_code": trust_remote_code,
         "disable_radix_cache": True,
         "chunked_prefill_size": -1,
+        "disable_prefill_cuda_graph": True,  # forward hooks do not run inside a CUDA graph
+        "disable_decode_cuda_graph": True,
         "tp_size": tp_size,
         "dtype": dtype,
         "random_seed": 0,
         "log_level": "error",
+        "enable_return_aux_hidden_states": True,
+        "speculative_algorithm": "EAGLE3",
+        "return_aux_hidden_state_layer_ids": list(plan.aux_ids),
+        "forward_hooks": [
+            {
+                "name": "hsstore-final-state",
+                "target_modules": ["logits_processor", "*.logits_processor"],
+                "hook_factory": HOOK_FACTORY,
+                "config": {"aux_width": len(plan.captured_depths) * hidden_size},
+            }
+        ],
     }
     if mem_fraction_static is not None:
         kwargs["mem_fraction_static"] = mem_fraction_static
-    if aux_ids is not None:
-        kwargs.update(
-            enable_return_aux_hidden_states=True,
-            speculative_algorithm="EAGLE3",
-            return_aux_hidden_state_layer_ids=list(aux_ids),
-        )
-    else:
-        kwargs["enable_return_hidden_states"] = True
     kwargs.update(extra or {})
     return kwargs
 
 
-# The first release with enable_return_aux_hidden_states (absent up to 0.5.22, see EXTRACT.md).
-MIN_AUX_VERSION = (0, 5, 23)
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        lead = re.match(r"\d+", piece)  # "23rc1" -> 23
-        if lead is None:
-            break
-        parts.append(int(lead.group()))
-    return tuple(parts)
+def check_sglang_version(version: str) -> None:
+    """Refuse SGLang releases this adapter was not checked against (override: env var)."""
+    if version in TESTED_SGLANG_VERSIONS or os.environ.get(UNTESTED_ENV) == "1":
+        return
+    raise BadInputError(
+        f"SGLang {version} is not a version hsstore's sglang backend was checked against "
+        f"({', '.join(TESTED_SGLANG_VERSIONS)}): its layer-id rules, aux capture and forward "
+        f"hooks may differ. Install sglang=={TESTED_SGLANG_VERSIONS[-1]}, or validate this one "
+        f"with `hsstore extract --backend sglang --check-against transformers --limit 8` and "
+        f"set {UNTESTED_ENV}=1"
+    )
 
 
 def _default_engine_factory(**kwargs: Any) -> Any:
@@ -210,18 +237,12 @@ def _default_engine_factory(**kwargs: Any) -> Any:
         raise BadInputError(
             "the sglang backend needs SGLang (pip install '.[sglang]', GPU only)"
         ) from exc
-    version = getattr(sglang, "__version__", "0")
-    if kwargs.get("enable_return_aux_hidden_states") and _version_tuple(version) < MIN_AUX_VERSION:
-        need = ".".join(map(str, MIN_AUX_VERSION))
-        raise BadInputError(
-            f"SGLang {version} cannot return aux hidden states without a draft model; "
-            f"aux layers need sglang>={need} (or use the transformers backend)"
-        )
+    check_sglang_version(str(getattr(sglang, "__version__", "unknown")))
     return sglang.Engine(**kwargs)
 
 
 class SGLangBackend:
-    """Runs prompts through one or two SGLang engines; returns ``[T, L, H]`` per prompt."""
+    """Runs prompts through one SGLang engine; returns ``[T, L, H]`` per prompt."""
 
     name = "sglang"
 
@@ -234,54 +255,44 @@ class SGLangBackend:
         tp_size: int = 1,
         mem_fraction_static: float | None = None,
         dtype: str | None = "auto",
+        trust_remote_code: bool = False,
         extra_engine_args: dict[str, Any] | None = None,
     ):
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(model_dir)
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise BadInputError(f"cannot load a model config: {exc}", path=model_dir) from exc
         text_config = getattr(config, "text_config", None) or config
         self.num_hidden_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)
-        self.vocab_size = int(text_config.vocab_size)
         cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype_name = resolve_dtype(dtype, cfg_dtype)
         self.dtype = _DTYPES[dtype_name]
         self.layers = list(layers)
-        self.aux_ids, self.aux_positions, self.want_final = plan_layers(
-            self.layers, self.num_hidden_layers, getattr(config, "architectures", None)
-        )
+        self.plan = plan_capture(self.layers, self.num_hidden_layers)
         factory = engine_factory or _default_engine_factory
-        n_engines = int(bool(self.aux_ids)) + int(self.want_final)
-        share = None
-        if mem_fraction_static is not None:
-            share = mem_fraction_static
-        elif n_engines == 2:
-            share = 0.4  # two engines side by side must each leave room for the other
-        common = {"tp_size": tp_size, "mem_fraction_static": share, "dtype": dtype_name}
-        self.aux_engine = (
-            factory(
-                **engine_kwargs(model_dir, aux_ids=self.aux_ids, extra=extra_engine_args, **common)
+        self.engine = factory(
+            **engine_kwargs(
+                model_dir,
+                self.plan,
+                hidden_size=self.hidden_size,
+                tp_size=tp_size,
+                mem_fraction_static=mem_fraction_static,
+                dtype=dtype_name,
+                trust_remote_code=trust_remote_code,
+                extra=extra_engine_args,
             )
-            if self.aux_ids
-            else None
-        )
-        self.final_engine = (
-            factory(**engine_kwargs(model_dir, aux_ids=None, extra=extra_engine_args, **common))
-            if self.want_final
-            else None
         )
 
     def close(self) -> None:
-        for engine in (self.aux_engine, self.final_engine):
-            if engine is not None and hasattr(engine, "shutdown"):
-                engine.shutdown()
-        self.aux_engine = self.final_engine = None
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
 
-    def _generate(self, engine: Any, batch: Sequence[TokenizedPrompt]) -> list[Any]:
-        responses = engine.generate(
+    def _generate(self, batch: Sequence[TokenizedPrompt]) -> list[Any]:
+        responses = self.engine.generate(
             input_ids=[p.input_ids.tolist() for p in batch],
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
             return_hidden_states=True,
@@ -298,27 +309,22 @@ class SGLangBackend:
         if not batch:
             return []
         h = self.hidden_size
-        k = len(self.aux_ids)
-        aux = self._generate(self.aux_engine, batch) if self.aux_engine is not None else None
-        final = self._generate(self.final_engine, batch) if self.final_engine is not None else None
+        responses = self._generate(batch)
         out: list[torch.Tensor] = []
-        for i, p in enumerate(batch):
+        for response, p in zip(responses, batch):
             t = p.num_tokens
+            rows = rows_from_response(
+                response,
+                num_tokens=t,
+                width=self.plan.blocks * h,
+                sample_id=p.sample_id,
+                hidden_size=h,
+            )
+            blocks = rows.view(t, self.plan.blocks, h)
             states = torch.empty((t, len(self.layers), h), dtype=self.dtype)
-            if aux is not None:
-                rows = rows_from_response(
-                    aux[i], num_tokens=t, width=k * h, sample_id=p.sample_id, what="aux"
-                )
-                per_layer = rows.view(t, k, h)
-                for j, pos in enumerate(self.aux_positions):
-                    states[:, pos] = per_layer[:, j]
-            if final is not None:
-                rows = rows_from_response(
-                    final[i], num_tokens=t, width=h, sample_id=p.sample_id, what="final"
-                )
-                for pos, spec in enumerate(self.layers):
-                    if spec.final_norm:
-                        states[:, pos] = rows
+            for j, slot in enumerate(self.plan.slots):
+                if slot is not None:
+                    states[:, slot] = blocks[:, j]
             out.append(states)
         return out
 
@@ -327,7 +333,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_dtype(name: str | None, cfg_dtype: Any) -> str:
-    """The dtype the engines run in, always passed explicitly so SGLang's own "auto" (which
+    """The dtype the engine runs in, always passed explicitly so SGLang's own "auto" (which
     turns float32 checkpoints into float16) never decides what gets stored."""
     if name and name != "auto":
         if name not in _DTYPES:

@@ -55,6 +55,7 @@ class TransformersBackend:
         device: str = "cpu",
         torch_dtype: str | None = "auto",
         attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -62,14 +63,14 @@ class TransformersBackend:
         hf_logging.disable_progress_bar()  # our own bar is the one that matters
 
         try:
-            config = AutoConfig.from_pretrained(model_dir)
+            config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise BadInputError(f"cannot load a model config: {exc}", path=model_dir) from exc
         cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(cfg_dtype, str):
             cfg_dtype = _DTYPES.get(cfg_dtype)
         dtype = resolve_torch_dtype(torch_dtype, cfg_dtype or torch.float32)
-        kwargs: dict[str, Any] = {"dtype": dtype}
+        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         try:

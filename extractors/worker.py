@@ -9,6 +9,7 @@ the worker's rows (see :mod:`extractors.batching`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -48,17 +49,28 @@ class WorkerSpec:
     torch_threads: int | None
     encode_threads: int | None
     backend_options: tuple[tuple[str, Any], ...] = ()
+    trust_remote_code: bool = False  # the model's own config/tokenizer/model code may run
 
 
-def load_tokenizer(model: str) -> Any:
+def load_tokenizer(model: str, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     from hsstore.errors import BadInputError
 
     try:
-        return AutoTokenizer.from_pretrained(model)
+        return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise BadInputError(f"cannot load the tokenizer: {exc}", path=model) from exc
+        raise BadInputError(
+            f"cannot load the tokenizer: {remote_code_hint(exc, trust_remote_code)}", path=model
+        ) from exc
+
+
+def remote_code_hint(exc: BaseException, trust_remote_code: bool) -> str:
+    """transformers' error, plus the flag to pass when the model ships its own code."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if not trust_remote_code and "trust_remote_code" in str(exc):
+        text += " (the model ships its own code; pass --trust-remote-code if you trust it)"
+    return text
 
 
 def tokenize_rows(
@@ -87,17 +99,55 @@ def make_backend(spec: WorkerSpec) -> Any:
         from extractors.transformers_backend import TransformersBackend
 
         return TransformersBackend(
-            spec.model, layers, device=spec.device, torch_dtype=spec.dtype, **options
+            spec.model,
+            layers,
+            device=spec.device,
+            torch_dtype=spec.dtype,
+            trust_remote_code=spec.trust_remote_code,
+            **options,
         )
     if spec.backend == "sglang":
         from extractors.sglang_backend import SGLangBackend
 
-        return SGLangBackend(spec.model, layers, dtype=spec.dtype, **options)
+        return SGLangBackend(
+            spec.model,
+            layers,
+            dtype=spec.dtype,
+            trust_remote_code=spec.trust_remote_code,
+            **options,
+        )
     raise ValueError(f"unknown backend {spec.backend!r}")
 
 
 def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any]:
-    """Extract this worker's share into the dataset; returns its statistics."""
+    """Extract this worker's share into the dataset; returns its statistics.
+
+    The outcome is reported through ``emit`` (``done`` with the statistics, or ``error``)
+    *before* the model backend is closed: closing an SGLang engine may take its whole process
+    down (sglang ``entrypoints/engine.py`` ``shutdown`` kills the process's children, and a
+    watchdog that sees them gone sends SIGQUIT), and the parent must still learn the result.
+    """
+    backends: list[Any] = []
+    try:
+        result = _extract(spec, emit, backends)
+        emit(("done", spec.rank, result))
+        return result
+    except BaseException as exc:
+        emit(("error", spec.rank, error_payload(exc)))
+        raise
+    finally:
+        for backend in backends:
+            backend.close()
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    from hsstore.errors import HsstoreError
+
+    kind = "hsstore" if isinstance(exc, HsstoreError | OSError) else "crash"
+    return {"kind": kind, "message": str(exc), "type": type(exc).__name__}
+
+
+def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any]) -> dict:
     import torch
 
     import hsstore
@@ -105,7 +155,8 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     t_start = time.perf_counter()
-    samples, skipped = tokenize_rows(spec, load_tokenizer(spec.model))
+    tokenizer = load_tokenizer(spec.model, trust_remote_code=spec.trust_remote_code)
+    samples, skipped = tokenize_rows(spec, tokenizer)
     ds = hsstore.open(spec.out)
     already = {p.sample_id for p in samples if p.sample_id in ds}
     todo = [p for p in samples if p.sample_id not in already]
@@ -143,22 +194,24 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any
         skipped=new_skips,
     )
     backend = make_backend(spec) if batches else None
+    if backend is not None:
+        backends.append(backend)
     extract_s = 0.0
     failed: BaseException | None = None
     writer.start()
     try:
         for batch in batches:
+            # the parent names these if this process dies while they are in the model
+            held = [p.sample_id for p in batch if p.sample_id not in already]
+            emit(("batch", spec.rank, {"samples": held}))
             t0 = time.perf_counter()
             states = backend.run(batch)
             extract_s += time.perf_counter() - t0
             writer.put([(p, h) for p, h in zip(batch, states) if p.sample_id not in already])
+            emit(("batch", spec.rank, {"samples": []}))
     except BaseException as exc:  # keep what was already handed over, then fail
         failed = exc
-    try:
-        stats = writer.finish()  # commits every complete sample it was given
-    finally:
-        if backend is not None:
-            backend.close()
+    stats = writer.finish()  # commits every complete sample it was given
     if failed is not None:
         raise failed
     wall = time.perf_counter() - t_start
@@ -178,17 +231,13 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any
 
 
 def worker_process_main(spec: WorkerSpec, events: Any) -> None:
-    """Entry point of a spawned worker: report through ``events``, die with the parent."""
+    """Entry point of a spawned worker: report through the pipe ``events`` (whose ``send``
+    has handed each event over when it returns, so none is lost if this process dies right
+    after), die with the parent."""
     _exit_with_parent()
-    emit = events.put
-    try:
-        result = run_worker(spec, emit)
-        emit(("done", spec.rank, result))
-    except BaseException as exc:  # reported to the parent, which owns the exit code
-        from hsstore.errors import HsstoreError
-
-        kind = "hsstore" if isinstance(exc, HsstoreError | OSError) else "crash"
-        emit(("error", spec.rank, {"kind": kind, "message": str(exc), "type": type(exc).__name__}))
+    # an error was already reported to the parent, which owns the exit code
+    with contextlib.suppress(BaseException):
+        run_worker(spec, events.send)
 
 
 def _exit_with_parent() -> None:

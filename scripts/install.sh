@@ -14,4 +14,6 @@ python -m pip install --quiet -e '.[dev]'
 # The peers whose own readers the interop tests use; --no-deps because they pin other torch and
 # transformers versions and pull vLLM/SGLang-era stacks; their data modules' needs are in [dev].
 python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
+# The sglang wheel's sources are read (never imported) by the SGLang contract tests; no deps.
+ls .cache/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_34_x86_64 "sglang==0.5.23" -d .cache/wheels
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"

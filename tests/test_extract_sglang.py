@@ -1,28 +1,29 @@
-"""The SGLang adapter against a fake engine that answers in SGLang's exact shapes.
+"""The SGLang adapter against a fake engine whose rules are read from the real sglang wheel.
 
-SGLang itself needs a GPU and is not installed here. ``FakeSGLangEngine`` stands in for
-``sglang.Engine`` (0.5.23): it takes the same server arguments, applies SGLang's layer-id rules
-(models/llama.py: capture the residual entering layer ``id + 1``; models/deepseek_v2.py: ``+1``
-only when the first id is 1), returns the aux captures concatenated ``[T, K*H]`` in layer order
-in place of the final state, and builds ``meta_info`` as tokenizer_manager.py does, with
-``hidden_states`` = ``[prefill rows as nested lists]``. Its maths comes from the tiny HF model,
-so the adapter's output can be checked against the transformers backend.
+``FakeSGLangEngine`` (tests/sglang_fake.py) stands in for ``sglang.Engine`` 0.5.23: it accepts
+only the wheel's server arguments, captures the layers the named model class's own
+``set_eagle3_layers_to_capture`` (executed from the wheel's source) captures for the ids it is
+sent, runs hsstore's forward hook as SGLang would, and answers in SGLang's response shapes. Its
+maths comes from the tiny HF model, so stored states can be checked against the transformers
+backend. The backend itself is the real one: only the engine is fake.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 import torch
+from sglang_fake import FakeSGLangEngine, counted, factory
 
 import hsstore
-from extractors.runner import ExtractOptions, run_extract
+from extractors.chat_tokens import TokenizedPrompt
+from extractors.runner import ExtractOptions, WorkerFailedError, run_extract
 from extractors.sglang_backend import (
     SGLangBackend,
     SGLangResponseError,
-    plan_layers,
+    check_sglang_version,
+    plan_capture,
     rows_from_response,
 )
 from hsstore.errors import BadInputError
@@ -30,90 +31,38 @@ from hsstore.format.layers import LayerSpec
 from tools.tiny_model import build_tiny_model
 
 N = 6
-# Server arguments of sglang 0.5.23 (srt/arg_groups/fields/*.py) the adapter may pass.
-KNOWN_SERVER_ARGS = {
-    "model_path", "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size",
-    "tp_size", "dtype", "random_seed", "log_level", "mem_fraction_static",
-    "enable_return_aux_hidden_states", "speculative_algorithm",
-    "return_aux_hidden_state_layer_ids", "enable_return_hidden_states",
-}  # fmt: skip
+# Model classes of the wheel with each capture rule, including the ones issue 10 is about.
+ARCHITECTURES = [
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "GlmMoeDsaForCausalLM",
+    "MistralLarge3ForCausalLM",
+]
 
 
-class FakeSGLangEngine:
-    created: list[FakeSGLangEngine] = []
+def batch_of(tiny, n=2):
+    from transformers import AutoTokenizer
 
-    def __init__(self, *, rule: str = "llama", faults: dict | None = None, **server_args):
-        from transformers import AutoModelForCausalLM
-
-        unknown = set(server_args) - KNOWN_SERVER_ARGS
-        assert not unknown, f"not sglang server args: {unknown}"
-        self.args = server_args
-        self.faults = faults or {}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            server_args["model_path"], dtype=torch.float32
-        ).eval()
-        n = self.model.config.num_hidden_layers
-        self.capture: list[int] | None = None
-        if server_args.get("enable_return_aux_hidden_states"):
-            # srt/arg_groups/validation_hook.py: handle_aux_hidden_state_capture
-            assert server_args.get("speculative_algorithm") == "EAGLE3"
-            ids = server_args.get("return_aux_hidden_state_layer_ids")
-            assert ids and len(set(ids)) == len(ids) and min(ids) >= 0 and max(ids) < n
-            if rule == "llama" or ids[0] == 1:  # models/llama.py, models/deepseek_v2.py
-                self.capture = [v + 1 for v in ids]
-            else:
-                self.capture = list(ids)
-        else:
-            assert server_args.get("enable_return_hidden_states")
-        self.shut = False
-        FakeSGLangEngine.created.append(self)
-
-    def shutdown(self) -> None:
-        self.shut = True
-
-    @torch.inference_mode()
-    def generate(self, *, input_ids, sampling_params, return_hidden_states):
-        assert sampling_params["max_new_tokens"] == 1 and return_hidden_states is True
-        responses = []
-        for ids in input_ids:
-            out = self.model.model(
-                input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
-            )
-            hs = out.hidden_states  # hs[i] = residual entering layer i; hs[N] = normed final
-            if self.capture is not None:
-                # the model loop captures in layer order whatever order the ids came in
-                rows = torch.cat([hs[i][0] for i in sorted(self.capture)], dim=-1)
-            else:
-                rows = out.last_hidden_state[0]
-            responses.append(self._response(ids, rows))
-        if self.faults.get("drop_response"):
-            responses.pop()
-        return responses
-
-    def _response(self, ids, rows: torch.Tensor) -> dict:
-        nested = rows.tolist()
-        meta = {
-            "id": uuid.uuid4().hex,
-            "finish_reason": {"type": "length", "length": 1},
-            "prompt_tokens": len(ids),
-            "weight_version": "default",
-            "num_retractions": 0,
-            "reasoning_tokens": 0,
-            "completion_tokens": 1,
-            "cached_tokens": 0,
-            "hidden_states": [nested],
-        }
-        cut = self.faults.get("truncate_rows")
-        if cut and len(ids) == self.faults.get("truncate_len", len(ids)):
-            meta["hidden_states"] = [nested[:-cut]]  # what chunked prefill / a cache hit gives
-        return {"output_ids": [0], "meta_info": meta}
+    tok = AutoTokenizer.from_pretrained(tiny)
+    texts = ["The quick brown fox jumps.", "Hidden states of a language model", "Hi"]
+    out = []
+    for i, text in enumerate(texts[:n]):
+        ids = torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
+        out.append(TokenizedPrompt(f"s{i}", i, ids, torch.ones_like(ids), "x", False))
+    return out
 
 
-def factory(**fake_kwargs):
-    def make(**server_args):
-        return FakeSGLangEngine(**fake_kwargs, **server_args)
+def hf_states(tiny, batch, layers):
+    from extractors.transformers_backend import TransformersBackend
 
-    return make
+    backend = TransformersBackend(str(tiny), layers, torch_dtype="float32")
+    try:
+        return backend.run(batch)
+    finally:
+        backend.close()
 
 
 @pytest.fixture(scope="module")
@@ -139,37 +88,80 @@ def prompts(tmp_path_factory):
     return path
 
 
-def test_engine_arguments(tiny):
-    FakeSGLangEngine.created.clear()
-    layers = [LayerSpec(2), LayerSpec(N // 2), LayerSpec(N - 3 + 2), LayerSpec(N, final_norm=True)]
+def test_one_engine_with_the_wheels_server_arguments(tiny):
+    layers = [LayerSpec(2), LayerSpec(3), LayerSpec(5), LayerSpec(N, final_norm=True)]
     backend = SGLangBackend(str(tiny), layers, engine_factory=factory(), dtype="float32")
-    aux, final = FakeSGLangEngine.created
-    for engine in (aux, final):
-        assert engine.args["disable_radix_cache"] is True
-        assert engine.args["chunked_prefill_size"] == -1
-        assert engine.args["skip_tokenizer_init"] is True
-        assert engine.args["dtype"] == "float32"
-        assert engine.args["mem_fraction_static"] == 0.4
-    assert aux.args["enable_return_aux_hidden_states"] is True
-    assert aux.args["speculative_algorithm"] == "EAGLE3"
-    # sglang-llama ids are depth - 1 (captured at the input of layer id + 1)
-    assert sorted(aux.args["return_aux_hidden_state_layer_ids"]) == [1, 2, 4]
-    assert sorted(aux.capture) == [2, 3, 5]
-    assert "enable_return_aux_hidden_states" not in final.args
+    engine = backend.engine
+    assert isinstance(engine, FakeSGLangEngine)
+    assert engine.args["disable_radix_cache"] is True
+    assert engine.args["chunked_prefill_size"] == -1
+    assert engine.args["disable_prefill_cuda_graph"] is True
+    assert engine.args["dtype"] == "float32"
+    assert "mem_fraction_static" not in engine.args  # one engine: SGLang's own default
+    assert engine.args["return_aux_hidden_state_layer_ids"][0] == 1
+    assert engine.capture == [2, 3, 5]
     backend.close()
-    assert aux.shut and final.shut
+    assert engine.shut
+
+
+@pytest.fixture(scope="module")
+def every_depth(tiny):
+    """Depths 1..N-1 and final of a fixed batch, from the transformers backend."""
+    layers = [LayerSpec(d) for d in range(1, N)] + [LayerSpec(N, final_norm=True)]
+    return batch_of(tiny), hf_states(tiny, batch_of(tiny), layers)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("depths", [[2, 3, 5], [1, 3], [4], [N]])
+def test_requested_depths_stored_under_every_rule(tiny, every_depth, architecture, depths):
+    """Kimi-K2.5, GLM-5 and Mistral Large 3 (DeepSeek rule) store what was asked for."""
+    layers = [LayerSpec(d, final_norm=d == N) for d in reversed(depths)]
+    batch, all_states = every_depth
+    backend = SGLangBackend(
+        str(tiny), layers, engine_factory=factory(architecture=architecture), dtype="float32"
+    )
+    try:
+        got = backend.run(batch)
+    finally:
+        backend.close()
+    want = [states[:, [d - 1 for d in reversed(depths)]] for states in all_states]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)  # batched vs one by one
+
+
+def test_eagle3_final_is_one_engine_and_one_forward_per_batch(tiny, prompts, tmp_path):
+    counts = tmp_path / "counts"
+    summary = run_extract(
+        ExtractOptions(
+            model=str(tiny),
+            data=str(prompts),
+            out=str(tmp_path / "ds"),
+            backend="sglang",
+            dtype="float32",
+            batch_size=2,
+            progress=False,
+            backend_options={"engine_factory": factory(counts=str(counts))},
+        )
+    )
+    assert summary["layers"] == ["after 2", "after 3", "after 6 +final_norm"]  # eagle3,final
+    assert summary["samples_written"] == 3
+    assert counted(counts) == {"engine": 1, "forward": 2}  # 3 prompts in batches of 2
+    # the engine lived in a worker process, never in this one
+    pids = {int(line.split()[1]) for line in counts.read_text().splitlines()}
+    import os
+
+    assert os.getpid() not in pids and len(pids) == 1
 
 
 def test_adapter_matches_transformers_backend(tiny, prompts, tmp_path):
-    layers = "1,2,4,5,final"
-    common = dict(model=str(tiny), data=str(prompts), layers=layers, batch_size=1, progress=False)
-    run_extract(ExtractOptions(out=str(tmp_path / "hf"), **common))
+    common = dict(model=str(tiny), data=str(prompts), layers="1,2,4,5,final", progress=False)
+    run_extract(ExtractOptions(out=str(tmp_path / "hf"), batch_size=1, **common))
     run_extract(
         ExtractOptions(
             out=str(tmp_path / "sg"),
             backend="sglang",
             dtype="float32",
-            backend_options={"engine_factory": factory()},
+            backend_options={"engine_factory": factory(architecture="DeepseekV3ForCausalLM")},
             **common,
         )
     )
@@ -183,21 +175,79 @@ def test_adapter_matches_transformers_backend(tiny, prompts, tmp_path):
         torch.testing.assert_close(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
 
 
-def test_layer_order_and_deepseek_rule():
+def test_closing_the_engine_never_takes_down_the_parent(tiny, prompts, tmp_path):
+    # the fake's shutdown SIGKILLs the process that holds the engine, as SGLang's can
+    summary = run_extract(
+        ExtractOptions(
+            model=str(tiny),
+            data=str(prompts),
+            out=str(tmp_path / "ds"),
+            backend="sglang",
+            dtype="float32",
+            progress=False,
+            backend_options={"engine_factory": factory(faults={"kill_on_shutdown": True})},
+        )
+    )
+    assert summary["samples_written"] == 3
+    assert len(hsstore.open(tmp_path / "ds")) == 3
+
+
+def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, prompts, tmp_path):
+    out = tmp_path / "ds"
+    opts = dict(
+        model=str(tiny),
+        data=str(prompts),
+        out=str(out),
+        backend="sglang",
+        dtype="float32",
+        batch_size=8,
+        progress=False,
+    )
+    die = factory(faults={"die_once_file": str(tmp_path / "died")})
+    with pytest.raises(WorkerFailedError) as exc:
+        run_extract(ExtractOptions(**opts, backend_options={"engine_factory": die}))
+    message = str(exc.value)
+    assert "died (exit code 17)" in message
+    from transformers import AutoTokenizer
+
+    from extractors.chat_tokens import ChatTokenizer
+    from extractors.prompts import read_prompts
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
+    for prompt in read_prompts(prompts):
+        assert chat.encode(prompt).sample_id in message
+    assert len(hsstore.open(out)) == 0
+    summary = run_extract(ExtractOptions(**opts, backend_options={"engine_factory": die}))
+    assert summary["samples_written"] == 3
+
+
+def test_prenorm_state_in_place_of_aux_is_refused(tiny):
+    batch = batch_of(tiny, 1)
+    for layers in ([LayerSpec(2)], [LayerSpec(N, final_norm=True)], [LayerSpec(3), LayerSpec(4)]):
+        backend = SGLangBackend(
+            str(tiny),
+            layers,
+            engine_factory=factory(faults={"prenorm_instead_of_aux": True}),
+            dtype="float32",
+        )
+        with pytest.raises(SGLangResponseError, match="pre-norm final state") as exc:
+            backend.run(batch)
+        assert exc.value.sample_id == "s0"
+        backend.close()
+
+
+def test_plan_always_starts_with_id_1_and_captures_two_layers():
     n = 32
     layers = [LayerSpec(29), LayerSpec(2), LayerSpec(n, final_norm=True), LayerSpec(16)]
-    ids, positions, want_final = plan_layers(layers, n, ["LlamaForCausalLM"])
-    assert want_final
-    assert sorted(v + 1 for v in ids) == [2, 16, 29]
-    # sglang returns captures in ascending depth: stored positions of depths 2, 16, 29
-    assert positions == [1, 3, 0]
-
-    def deepseek_capture(passed):  # models/deepseek_v2.py set_eagle3_layers_to_capture
-        return sorted(v + 1 for v in passed) if passed[0] == 1 else sorted(passed)
-
-    for depths in ([2, 16, 29], [1, 16, 29], [3, 9], [1, 2]):
-        ids, _, _ = plan_layers([LayerSpec(d) for d in depths], n, ["DeepseekV3ForCausalLM"])
-        assert deepseek_capture(ids) == sorted(depths), (depths, ids)
+    plan = plan_capture(layers, n)
+    assert plan.aux_ids == [1, 15, 28]
+    assert plan.captured_depths == [2, 16, 29]
+    assert plan.slots == [1, 3, 0, 2]  # ascending captures, then the final state
+    only_final = plan_capture([LayerSpec(n, final_norm=True)], n)
+    assert only_final.aux_ids == [1, 0] and only_final.slots == [None, None, 0]
+    assert plan_capture([LayerSpec(7)], n).aux_ids == [1, 6]
+    with pytest.raises(BadInputError, match="at least 3 decoder layers"):
+        plan_capture([LayerSpec(1)], 2)
 
 
 def test_unsupported_layers_refused(tiny):
@@ -207,6 +257,16 @@ def test_unsupported_layers_refused(tiny):
     ):
         with pytest.raises(BadInputError, match=match):
             SGLangBackend(str(tiny), layers, engine_factory=factory())
+
+
+def test_untested_sglang_versions_refused(monkeypatch):
+    check_sglang_version("0.5.23")
+    monkeypatch.delenv("HSSTORE_SGLANG_UNTESTED", raising=False)
+    with pytest.raises(BadInputError, match="SGLang 0.5.22 is not a version") as exc:
+        check_sglang_version("0.5.22")
+    assert "--check-against transformers" in str(exc.value)
+    monkeypatch.setenv("HSSTORE_SGLANG_UNTESTED", "1")
+    check_sglang_version("0.6.0")
 
 
 def response(rows, **meta):
@@ -235,50 +295,29 @@ def response(rows, **meta):
 )
 def test_bad_responses_fail_loudly(resp, match):
     with pytest.raises(SGLangResponseError, match=match) as exc:
-        rows_from_response(resp, num_tokens=3, width=2, sample_id="s-1", what="aux")
+        rows_from_response(resp, num_tokens=3, width=2, sample_id="s-1")
     assert exc.value.sample_id == "s-1"
+
+
+def test_missing_final_state_named():
+    rows = [[0.0] * 4] * 3  # two aux blocks of H=2, the final block missing
+    with pytest.raises(SGLangResponseError, match="final state was not appended"):
+        rows_from_response(response(rows), num_tokens=3, width=6, sample_id="s", hidden_size=2)
 
 
 def test_good_response_shape():
     rows = [[float(i), float(i) + 0.5] for i in range(4)]
-    got = rows_from_response(
-        response(rows, prompt_tokens=4), num_tokens=4, width=2, sample_id="s", what="final"
-    )
+    got = rows_from_response(response(rows, prompt_tokens=4), num_tokens=4, width=2, sample_id="s")
     assert got.shape == (4, 2) and got.dtype == torch.float32
     assert got[3, 1].item() == 3.5
-
-
-def test_truncated_response_stores_nothing(tiny, prompts, tmp_path):
-    out = tmp_path / "ds"
-    opts = ExtractOptions(
-        model=str(tiny),
-        data=str(prompts),
-        out=str(out),
-        backend="sglang",
-        dtype="float32",
-        layers="2,final",
-        batch_size=4,
-        progress=False,
-        backend_options={"engine_factory": factory(faults={"truncate_rows": 1})},
-    )
-    with pytest.raises(SGLangResponseError, match="truncated") as exc:
-        run_extract(opts)
-    assert exc.value.sample_id is not None
-    assert len(hsstore.open(out)) == 0
 
 
 def test_missing_response_fails(tiny):
     backend = SGLangBackend(
         str(tiny), [LayerSpec(2)], engine_factory=factory(faults={"drop_response": True})
     )
-    from extractors.chat_tokens import TokenizedPrompt
-
-    batch = [
-        TokenizedPrompt(f"s{i}", i, torch.arange(5), torch.ones(5, dtype=torch.int64), "x", False)
-        for i in range(2)
-    ]
     with pytest.raises(SGLangResponseError, match="1 responses for 2 prompts"):
-        backend.run(batch)
+        backend.run(batch_of(tiny, 2))
 
 
 def test_cli_without_sglang_is_a_clear_error(tiny, prompts, tmp_path):
@@ -288,23 +327,10 @@ def test_cli_without_sglang_is_a_clear_error(tiny, prompts, tmp_path):
 
     from hsstore.cli import main
 
-    if importlib.util.find_spec("sglang") is not None:
-        pytest.skip("sglang is installed here")
+    assert importlib.util.find_spec("sglang") is None, "this test needs sglang NOT installed"
     out = tmp_path / "ds"
-    result = CliRunner().invoke(
-        main,
-        [
-            "extract",
-            "--model",
-            str(tiny),
-            "--data",
-            str(prompts),
-            "--out",
-            str(out),
-            "--backend",
-            "sglang",
-        ],
-    )
+    args = ["extract", "--model", str(tiny), "--data", str(prompts), "--out", str(out)]
+    result = CliRunner().invoke(main, [*args, "--backend", "sglang"])
     assert result.exit_code == 2
     assert "needs SGLang" in result.output
     assert not out.exists()
@@ -332,11 +358,54 @@ def test_failure_mid_run_keeps_earlier_batches_and_resumes(tiny, prompts, tmp_pa
         progress=False,
     )
     bad = factory(faults={"truncate_rows": 1, "truncate_len": shortest.num_tokens})
-    with pytest.raises(SGLangResponseError, match="truncated") as exc:
+    with pytest.raises(WorkerFailedError, match="truncated") as exc:
         run_extract(ExtractOptions(**opts, backend_options={"engine_factory": bad}))
-    assert exc.value.sample_id == shortest.sample_id
+    assert shortest.sample_id in str(exc.value)
     ds = hsstore.open(out)
     assert sorted(ds.sample_ids) == sorted(p.sample_id for p in encoded if p is not shortest)
     summary = run_extract(ExtractOptions(**opts, backend_options={"engine_factory": factory()}))
     assert summary["samples_already_present"] == 2 and summary["samples_written"] == 1
     assert shortest.sample_id in hsstore.open(out)
+
+
+def test_check_against_transformers_passes_and_catches_a_wrong_layer(tiny, prompts, tmp_path):
+    common = dict(
+        model=str(tiny),
+        data=str(prompts),
+        backend="sglang",
+        dtype="float32",
+        layers="1,2,3,final",
+        limit=2,
+        progress=False,
+        check_against="transformers",
+    )
+    good = run_extract(
+        ExtractOptions(
+            out=str(tmp_path / "ok"), backend_options={"engine_factory": factory()}, **common
+        )
+    )
+    check = good["check"]
+    assert check["ok"] and check["samples"] == 2 and check["problems"] == []
+    assert max(check["max_rel_err"]) < 1e-4
+    wrong = factory(faults={"wrong_layer": True})
+    bad = run_extract(
+        ExtractOptions(
+            out=str(tmp_path / "bad"), backend_options={"engine_factory": wrong}, **common
+        )
+    )["check"]
+    assert not bad["ok"]
+    assert any("after 2: " in p and "a wrong layer?" in p for p in bad["problems"])
+
+
+def test_cli_check_against_on_cpu(tiny, prompts, tmp_path):
+    from click.testing import CliRunner
+
+    from hsstore.cli import main
+
+    args = ["extract", "--model", str(tiny), "--data", str(prompts), "--out", str(tmp_path / "d")]
+    result = CliRunner().invoke(
+        main, [*args, "--check-against", "transformers", "--limit", "2", "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "check against transformers on 2 samples: OK" in result.output
+    assert "max relative error 0," in result.output

@@ -133,7 +133,8 @@ def test_training_with_target_lowers_loss_and_raises_accuracy(tiny, tmp_path):
     saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
     assert saved["draft_vocab_size"] == 256
     assert saved["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    # id 1 first: SGLang then captures id + 1 under every target's rule
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 2]
 
 
 def test_every_draft_step_learns_a_deterministic_successor(tmp_path):

@@ -304,7 +304,8 @@ def test_checkpoint_round_trip_and_server_key_names(tmp_path):
     saved = json.loads((path / "config.json").read_text())
     assert saved["draft_vocab_size"] == D and saved["target_hidden_size"] == H
     assert saved["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    # id 1 first: SGLang then captures id + 1 under every target's rule
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 2]
     again, _ = load_drafter(path)
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k

@@ -4,13 +4,15 @@ Run on a machine with a CUDA GPU and SGLang installed (``pip install '.[sglang]'
 
     python -m tools.gpu_check_sglang [--model DIR] [--out DIR] [--rows 24]
 
-Without ``--model`` it builds a small random Llama in code (head size 64, which SGLang's
-attention kernels support), so it needs no download. It extracts the same prompts three times
-with ``hsstore extract``'s own code:
+Without ``--model`` it builds three small random models in code, so it needs no download: a
+Llama (SGLang's "+1 per id" capture rule), a Qwen3, and a DeepseekV3-style model with MLA
+attention and MoE layers (the DeepSeek rule that Kimi-K2.5, GLM-5 and Mistral Large 3 inherit).
+Head sizes are ones SGLang's kernels support (64; MLA with kv_lora_rank 512 and rope dim 64).
+For each model it extracts the same prompts three times with ``hsstore extract``'s own code:
 
 1. transformers backend, float32 (the reference);
 2. transformers backend, bfloat16 (how far bf16 alone moves the states);
-3. SGLang backend, bfloat16 (aux capture engine + final-state engine, side by side).
+3. SGLang backend, bfloat16 (one engine, aux + final state from one forward).
 
 and checks, for every sample and stored layer (default ``eagle3,final``), that SGLang agrees
 with the float32 reference about as well as transformers in bf16 does: relative error at most
@@ -19,8 +21,9 @@ half the distance between the reference's own stored layers. A wrong layer id wo
 a whole layer, so this separates "right layer, different kernels" from "wrong layer".
 
 Then (informational, not part of the verdict) it starts an engine with chunked prefill left on
-(small chunks) and a long prompt, to show whether the adapter's row-count assertion fires when
-SGLang returns fewer rows than prompt tokens.
+(chunks of 128 tokens) and a prompt several chunks long that still fits the model's context,
+to show whether the adapter's row-count assertion fires when SGLang returns fewer rows than
+prompt tokens.
 
 Prints one JSON report; exits 0 when every check passes, 1 otherwise.
 """
@@ -80,6 +83,98 @@ def write_prompts(path: Path, rows: int, seed: int = 0) -> Path:
     return path
 
 
+CHUNK = 128  # chunked_prefill_size of the informational chunked-prefill check
+
+
+def chat_tokens(tokenizer: Any, reply: str) -> int:
+    """Tokens of a one-turn chat with this assistant reply, as the extractor renders it."""
+    messages = [{"role": "user", "content": "say it"}, {"role": "assistant", "content": reply}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def chunked_prompt_text(tokenizer: Any, context: int, chunk: int = CHUNK) -> str:
+    """An assistant reply whose chat rendering is several chunks long but fits ``context``.
+
+    (The earlier fixed text, WORDS * 40, was 3,601 tokens with the tiny tokenizer: longer than
+    the tiny model's 2,048-token context, so SGLang rejected it before any chunking.)
+    """
+    limit = min(context - 64, 6 * chunk)
+    words: list[str] = []
+    while chat_tokens(tokenizer, " ".join(words)) <= 3 * chunk:
+        words.extend(WORDS)
+    while chat_tokens(tokenizer, " ".join(words)) > limit and len(words) > 1:
+        words.pop()
+    return " ".join(words)
+
+
+def build_check_models(work: Path, *, hidden: int = 512, layers: int = 6) -> dict[str, str]:
+    """The random models the check runs: Llama, Qwen3 and DeepseekV3-style (MLA + MoE).
+
+    All share the tiny byte-level tokenizer and chat template. ``hidden``/``layers`` stay at
+    GPU-kernel-friendly defaults; tests build smaller ones on CPU.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3Config
+
+    from tools.tiny_model import build_tiny_model
+
+    heads = max(1, hidden // 64)
+    llama = build_tiny_model(work / "llama", hidden=hidden, layers=layers, vocab=512, heads=heads)
+    base = json.loads((llama / "config.json").read_text())
+    common = dict(
+        vocab_size=base["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+        pad_token_id=base.get("pad_token_id"),
+    )
+    configs = {
+        "qwen3": Qwen3Config(head_dim=64, **common),
+        "deepseek_v3": DeepseekV3Config(
+            # MLA with the shapes SGLang's MLA kernels expect, a dense first layer, then MoE
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=hidden,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            **common,
+        ),
+    }
+    out = {"llama": str(llama)}
+    for name, config in configs.items():
+        path = work / name
+        state = torch.random.get_rng_state()
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        finally:
+            torch.random.set_rng_state(state)
+        model.eval().save_pretrained(path, safe_serialization=True)
+        for tokenizer_file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (llama / tokenizer_file).exists():
+                shutil.copy(llama / tokenizer_file, path / tokenizer_file)
+        out[name] = str(path)
+    return out
+
+
 def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
     from extractors.runner import ExtractOptions, run_extract
 
@@ -92,53 +187,25 @@ def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
 
 
 def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
-    """Per stored layer: worst relative error and worst cosine similarity over samples, and how
-    far apart the reference's own layers are (what a wrong layer id would cost)."""
-    import torch
+    """Per stored layer: worst relative error, worst cosine, distance to the other layers."""
+    from extractors.check import compare_datasets
 
-    import hsstore
-
-    ref, other = hsstore.open(ref_dir), hsstore.open(other_dir)
-    if sorted(ref.sample_ids) != sorted(other.sample_ids):
-        return {"error": "different sample ids"}
-    labels = [s.label for s in ref.layers]
-    worst_rel = [0.0] * len(labels)
-    worst_cos = [1.0] * len(labels)
-    separation = [float("inf")] * len(labels)
-    tokens_equal = True
-
-    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
-        return ((x - y).norm() / x.norm().clamp_min(1e-12)).item()
-
-    for sid in ref.sample_ids:
-        a, b = ref.get(sid), other.get(sid)
-        tokens_equal &= torch.equal(a.input_ids, b.input_ids) and torch.equal(
-            a.loss_mask, b.loss_mask
-        )
-        for j in range(len(labels)):
-            x, y = a.hidden[:, j].float(), b.hidden[:, j].float()
-            worst_rel[j] = max(worst_rel[j], rel(x, y))
-            cos = torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item()
-            worst_cos[j] = min(worst_cos[j], cos)
-            for k in range(len(labels)):
-                if k != j:
-                    separation[j] = min(separation[j], rel(x, a.hidden[:, k].float()))
-    return {
-        "layers": labels,
-        "max_rel_err": worst_rel,
-        "min_cosine": worst_cos,
-        "min_rel_distance_to_other_layers": separation,
-        "tokens_and_masks_equal": bool(tokens_equal),
-    }
+    return compare_datasets(ref_dir, other_dir)
 
 
 def chunked_prefill_is_caught(model: str, data_dir: Path) -> dict[str, Any]:
     """With chunked prefill on, a long prompt must make the adapter fail, not store rows."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from extractors.runner import WorkerFailedError
     from extractors.sglang_backend import SGLangResponseError
 
-    long_prompt = write_prompts(data_dir / "long.jsonl", 1, seed=7)
-    row = json.loads(long_prompt.read_text())
-    row["messages"][1]["content"] = " ".join(WORDS * 40)
+    context = int(AutoConfig.from_pretrained(model).max_position_embeddings)
+    text = chunked_prompt_text(AutoTokenizer.from_pretrained(model), context)
+    long_prompt = data_dir / "long.jsonl"
+    row = {
+        "messages": [{"role": "user", "content": "say it"}, {"role": "assistant", "content": text}]
+    }
     long_prompt.write_text(json.dumps(row) + "\n")
     try:
         extract(
@@ -148,18 +215,55 @@ def chunked_prefill_is_caught(model: str, data_dir: Path) -> dict[str, Any]:
             backend="sglang",
             layers="2",
             dtype="bfloat16",
-            backend_options={"extra_engine_args": {"chunked_prefill_size": 128}},
+            backend_options={"extra_engine_args": {"chunked_prefill_size": CHUNK}},
         )
-    except SGLangResponseError as exc:
-        return {"caught": True, "message": str(exc)}
+    except (SGLangResponseError, WorkerFailedError) as exc:  # the worker names the sample
+        return {"caught": "truncated" in str(exc), "message": str(exc)}
     except Exception as exc:  # report, do not hide: a different failure is also information
         return {"caught": False, "error": f"{type(exc).__name__}: {exc}"}
     return {"caught": False, "note": "sglang returned every row even with chunked prefill on"}
 
 
+def check_model(model: str, work: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The three extractions of one model and the verdict on SGLang's states."""
+    work.mkdir(parents=True, exist_ok=True)
+    common = {"layers": args.layers, "batch_size": 8}
+    runs = {
+        "hf_fp32": extract(model, data, work / "hf_fp32", dtype="float32", **common),
+        "hf_bf16": extract(model, data, work / "hf_bf16", dtype="bfloat16", **common),
+        "sglang_bf16": extract(
+            model, data, work / "sg_bf16", backend="sglang", dtype="bfloat16", **common
+        ),
+    }
+    report: dict[str, Any] = {"model": model}
+    report["runs"] = {
+        k: {
+            key: v[key]
+            for key in ("samples_written", "tokens_written", "elapsed_s", "extract_tokens_per_s")
+        }
+        for k, v in runs.items()
+    }
+    bf16 = compare(work / "hf_fp32", work / "hf_bf16")
+    sg = compare(work / "hf_fp32", work / "sg_bf16")
+    report["hf_bf16_vs_fp32"], report["sglang_vs_fp32"] = bf16, sg
+    report["sglang_vs_hf_bf16"] = compare(work / "hf_bf16", work / "sg_bf16")
+    ok = sg["samples"] == args.rows and sg["tokens_and_masks_equal"]
+    if ok:
+        limits = [args.tolerance_factor * e + 2e-3 for e in bf16["max_rel_err"]]
+        report["rel_err_limits"] = limits
+        ok = all(e <= lim for e, lim in zip(sg["max_rel_err"], limits))
+        # and far closer to the right layer than to any other stored one
+        ok = ok and all(
+            e < 0.5 * sep
+            for e, sep in zip(sg["max_rel_err"], sg["min_rel_distance_to_other_layers"])
+        )
+    report["ok"] = bool(ok)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="model directory (default: build a small random Llama)")
+    parser.add_argument("--model", help="model directory (default: build the three random ones)")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     parser.add_argument("--rows", type=int, default=24)
     parser.add_argument("--layers", default="eagle3,final")
@@ -176,54 +280,26 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.out or tempfile.mkdtemp(prefix="hsstore-sglang-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.model:
-        model = args.model
-    else:
-        from tools.tiny_model import build_tiny_model
-
-        model = str(build_tiny_model(work / "model", hidden=512, layers=8, vocab=512, heads=8))
+    models = {"model": args.model} if args.model else build_check_models(work / "models")
     data = write_prompts(work / "prompts.jsonl", args.rows)
-    common = {"layers": args.layers, "batch_size": 8}
     report: dict[str, Any] = {
         "sglang": sglang.__version__,
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0),
-        "model": model,
+        "models": {},
     }
-    runs = {
-        "hf_fp32": extract(model, data, work / "hf_fp32", dtype="float32", **common),
-        "hf_bf16": extract(model, data, work / "hf_bf16", dtype="bfloat16", **common),
-        "sglang_bf16": extract(
-            model, data, work / "sg_bf16", backend="sglang", dtype="bfloat16", **common
-        ),
-    }
-    report["runs"] = {
-        k: {
-            key: v[key]
-            for key in ("samples_written", "tokens_written", "elapsed_s", "extract_tokens_per_s")
-        }
-        for k, v in runs.items()
-    }
-    bf16 = compare(work / "hf_fp32", work / "hf_bf16")
-    sg = compare(work / "hf_fp32", work / "sg_bf16")
-    report["hf_bf16_vs_fp32"], report["sglang_vs_fp32"] = bf16, sg
-    report["sglang_vs_hf_bf16"] = compare(work / "hf_bf16", work / "sg_bf16")
-    ok = "error" not in sg and sg["tokens_and_masks_equal"]
-    if ok:
-        limits = [args.tolerance_factor * e + 2e-3 for e in bf16["max_rel_err"]]
-        report["rel_err_limits"] = limits
-        ok = all(e <= lim for e, lim in zip(sg["max_rel_err"], limits))
-        # and far closer to the right layer than to any other stored one
-        ok = ok and all(
-            e < 0.5 * sep
-            for e, sep in zip(sg["max_rel_err"], sg["min_rel_distance_to_other_layers"])
-        )
+    for name, model in models.items():
+        try:
+            report["models"][name] = check_model(model, work / name, data, args)
+        except Exception as exc:  # one model's failure is reported, the others still run
+            report["models"][name] = {"model": model, "ok": False, "error": f"{exc!r}"}
     if not args.skip_chunked_check:
         # informational: shows what the row-count assertion does when SGLang drops rows
-        report["chunked_prefill"] = chunked_prefill_is_caught(model, work)
-    report["ok"] = bool(ok)
+        first = next(iter(models.values()))
+        report["chunked_prefill"] = chunked_prefill_is_caught(first, work)
+    report["ok"] = all(r["ok"] for r in report["models"].values())
     print(json.dumps(report, indent=2))
-    return 0 if ok else 1
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # The GPU checks, as one script for a CUDA machine (run from the repository root after
 # `pip install -e '.[dev]'`; the SGLang part also needs `pip install -e '.[sglang]'`).
 # Writes each check's JSON report to OUT (default: gpu_checks_out/) and exits non-zero when
-# either check fails. About two minutes on one H100/H200.
+# either check fails. The SGLang check runs three small random models (Llama, Qwen3 and a
+# DeepseekV3-style MLA + MoE one); a few minutes on one H100/H200.
 set -uo pipefail
 out=${1:-gpu_checks_out}
 mkdir -p "$out"

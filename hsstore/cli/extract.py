@@ -5,6 +5,8 @@ The work is done by the ``extractors`` package; this module only maps options to
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
@@ -59,6 +61,25 @@ from hsstore.cli._common import emit_json, handle_errors
 @click.option("--commit-seconds", type=float, default=300.0, show_default=True)
 @click.option("--tp-size", type=int, default=None, help="sglang: tensor parallel size per worker.")
 @click.option("--mem-fraction", type=float, default=None, help="sglang: mem_fraction_static.")
+@click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Run the model's own config/tokenizer/model code (e.g. Kimi-K2.x); only for models "
+    "you trust.",
+)
+@click.option(
+    "--check-against",
+    type=click.Choice(["transformers", "sglang"]),
+    default=None,
+    help="Also extract the same prompts with this backend (into a temporary dataset) and "
+    "compare every stored layer; exit 1 if they disagree. Use with --limit.",
+)
+@click.option(
+    "--check-tolerance",
+    type=float,
+    default=None,
+    help="--check-against: largest relative error per layer (default 0.05).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
@@ -81,6 +102,9 @@ def command(
     commit_seconds: float,
     tp_size: int | None,
     mem_fraction: float | None,
+    trust_remote_code: bool,
+    check_against: str | None,
+    check_tolerance: float | None,
     no_progress: bool,
     as_json: bool,
 ) -> None:
@@ -115,10 +139,16 @@ def command(
             commit_seconds=commit_seconds,
             progress=not no_progress,
             backend_options=backend_options,
+            trust_remote_code=trust_remote_code,
+            check_against=check_against,
+            check_tolerance=check_tolerance,
         )
     )
+    check = summary.get("check")
     if as_json:
         emit_json(summary)
+        if check is not None and not check["ok"]:
+            sys.exit(1)
         return
     click.echo(
         f"{summary['samples_written']} samples ({summary['tokens_written']} tokens) written to "
@@ -133,3 +163,26 @@ def command(
         f"writer busy {summary['writer_busy_share']:.0%} of the time, "
         f"extraction waited {summary['writer_stall_s']:.1f}s on it"
     )
+    if check is not None:
+        _echo_check(check)
+        if not check["ok"]:
+            sys.exit(1)
+
+
+def _echo_check(check: dict) -> None:
+    click.echo(
+        f"check against {check['against']} on {check['samples']} samples: "
+        + ("OK" if check["ok"] else "FAILED")
+    )
+    for label, err, cos, sep in zip(
+        check["layers"],
+        check["max_rel_err"],
+        check["min_cosine"],
+        check["min_rel_distance_to_other_layers"],
+    ):
+        click.echo(
+            f"  {label}: max relative error {err:.3g}, min cosine {cos:.6f}, "
+            f"nearest other layer {sep:.3g}"
+        )
+    for problem in check["problems"]:
+        click.echo(f"  problem: {problem}")

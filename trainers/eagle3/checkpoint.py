@@ -23,24 +23,83 @@ from safetensors.torch import load_file, save_file
 from trainers.eagle3.model import DrafterConfig, Eagle3Drafter
 
 CHECKPOINT_DIR = "checkpoint"
+# SGLang's EAGLE-3 drafter class for a Llama-layout drafter (sglang 0.5.23
+# models/llama_eagle3.py EntryClass); it serves any target. SGLang's MLA drafter for Kimi-K2.5
+# (models/kimi_k25_eagle3.py Eagle3DeepseekV2ForCausalLM) and Mistral Large 3's
+# (models/mistral_large_3_eagle.py) expect other weights than this trainer produces.
+DRAFTER_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# Targets whose set_eagle3_layers_to_capture adds 1 to the ids only when the first is 1
+# (sglang 0.5.23 models/deepseek_v2.py:3248 and the classes inheriting or delegating to it);
+# every other target adds 1 to each id (models/llama.py). Only consulted when the trained
+# aux layers do not include depth 2; tests/test_extract_sglang_contract.py derives this set from
+# the wheel's sources and fails when it drifts.
+SGLANG_FIRST_ID_RULE_TARGETS = frozenset(
+    {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "DeepseekV3ForCausalLMNextN",
+        "Glm4MoeLiteForCausalLM",
+        "Glm4MoeLiteForCausalLMNextN",
+        "GlmMoeDsaForCausalLM",
+        "GlmMoeDsaForCausalLMNextN",
+        "Glm5NextForConditionalGenerationNextN",
+        "KimiK25ForConditionalGeneration",
+        "MistralLarge3ForCausalLM",
+        "MistralLarge3ForCausalLMEagle",
+    }
+)
 
 
-def framework_layer_ids(aux_layers: list, num_hidden_layers: int) -> dict[str, list[int] | None]:
+def sglang_layer_ids(
+    aux_layers: list, num_hidden_layers: int, *, target_architecture: str | None = None
+) -> list[int]:
+    """``eagle_config.eagle_aux_hidden_state_layer_ids`` that make SGLang capture these depths.
+
+    SGLang passes these ids to the target's ``set_eagle3_layers_to_capture``. A list that
+    starts with id 1 is shifted by one under every rule in SGLang, so when depth 2 is among the
+    aux layers (always true for the default EAGLE-3 choice) the ids are ``[1, ...]`` and serve
+    every target. Otherwise the target's rule decides: ids are the depths themselves for
+    SGLANG_FIRST_ID_RULE_TARGETS (with 1 not first), depth - 1 for the rest.
+    """
+    depths = sorted(spec.depth for spec in aux_layers)
+    if 2 in depths:
+        return [1] + [d - 1 for d in depths if d != 2]
+    if target_architecture in SGLANG_FIRST_ID_RULE_TARGETS:
+        if depths == [1]:
+            raise ValueError(
+                f"SGLang cannot capture depth 1 alone on {target_architecture}: its rule reads "
+                "a leading id 1 as depth 2; train with more aux layers (or include depth 2)"
+            )
+        return [d for d in depths if d != 1] + [d for d in depths if d == 1]
+    return [d - 1 for d in depths]  # models/llama.py: layers_to_capture = [id + 1 ...]
+
+
+def framework_layer_ids(
+    aux_layers: list, num_hidden_layers: int, *, target_architecture: str | None = None
+) -> dict[str, list[int] | None]:
     """The aux layers as vLLM and SGLang number them (None where a framework cannot name one).
 
     hsstore stores depths (decoder layers applied, 0 = embeddings). vLLM and speculators'
-    configs capture "the residual entering layer j", i.e. depth j; SGLang adds 1 to the ids in
-    ``eagle_config`` before capturing, so its id is depth - 1. The translation is the one in
-    ``hsstore.format.conventions``.
+    configs capture "the residual entering layer j", i.e. depth j (translated by
+    ``hsstore.format.conventions``); SGLang's ids depend on the target's rule and are chosen by
+    :func:`sglang_layer_ids`.
     """
     from hsstore.format import conventions
 
     out: dict[str, list[int] | None] = {}
-    for name in (conventions.VLLM, conventions.SGLANG_LLAMA):
-        try:
-            out[name] = conventions.from_canonical(name, aux_layers, num_hidden_layers)
-        except conventions.ConventionError:
-            out[name] = None
+    try:
+        out[conventions.VLLM] = conventions.from_canonical(
+            conventions.VLLM, aux_layers, num_hidden_layers
+        )
+    except conventions.ConventionError:
+        out[conventions.VLLM] = None
+    try:
+        out["sglang"] = sglang_layer_ids(
+            aux_layers, num_hidden_layers, target_architecture=target_architecture
+        )
+    except ValueError:
+        out["sglang"] = None
     return out
 
 
@@ -50,6 +109,8 @@ def server_config(
     verifier_layer,
     num_hidden_layers: int,
     extra: dict | None = None,
+    *,
+    target_architecture: str | None = None,
 ) -> dict:
     """The config.json of a drafter, in the key names SGLang, vLLM and speculators read.
 
@@ -57,9 +118,11 @@ def server_config(
     framework reads its own key, so both are written, and the canonical depths go under
     ``hsstore`` for anyone who wants no ambiguity.
     """
-    ids = framework_layer_ids(aux_layers, num_hidden_layers)
+    ids = framework_layer_ids(
+        aux_layers, num_hidden_layers, target_architecture=target_architecture
+    )
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [DRAFTER_ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -79,7 +142,7 @@ def server_config(
         "torch_dtype": "float32",
         "eagle_config": {
             "use_aux_hidden_state": True,
-            "eagle_aux_hidden_state_layer_ids": ids["sglang-llama"],  # SGLang
+            "eagle_aux_hidden_state_layer_ids": ids["sglang"],  # SGLang
         },
         "eagle_aux_hidden_state_layer_ids": ids["vllm"],  # vLLM / speculators
         "hsstore": {
@@ -87,9 +150,22 @@ def server_config(
             "num_hidden_layers": num_hidden_layers,
             "aux_layers": [spec.to_json() for spec in aux_layers],
             "verifier_layer": verifier_layer.to_json(),
+            "target_architecture": target_architecture,
             **(extra or {}),
         },
     }
+
+
+def target_architecture_of(model: str | None) -> str | None:
+    """``architectures[0]`` of a local target model directory's config.json, if there is one."""
+    if not model:
+        return None
+    path = Path(model) / "config.json"
+    try:
+        archs = json.loads(path.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(archs[0]) if archs else None
 
 
 def save_checkpoint(out_dir: str | Path, model: Eagle3Drafter, config: dict, state: dict) -> Path:

@@ -25,6 +25,7 @@ from trainers.eagle3.checkpoint import (
     load_trainer_state,
     save_checkpoint,
     server_config,
+    target_architecture_of,
 )
 from trainers.eagle3.model import (
     Eagle3Drafter,
@@ -325,6 +326,7 @@ def train(args: argparse.Namespace) -> dict:
         verifier_spec,
         num_layers or verifier_spec.depth,
         extra={"dataset": str(args.data), "ttt_steps": args.ttt_steps, "target": args.target},
+        target_architecture=target_architecture_of(args.target or ds.manifest.model.name),
     )
 
     def checkpoint(step: int) -> None:

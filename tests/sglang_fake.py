@@ -1,0 +1,183 @@
+"""A stand-in for ``sglang.Engine`` (0.5.23) whose rules come from the real wheel's sources.
+
+SGLang needs a GPU and is not installed here. ``FakeSGLangEngine`` takes the same server
+arguments (every name must be a ServerArgs field of the wheel), applies the capture rule of the
+model class it is told to be (``architecture``), executed from that class's own
+``set_eagle3_layers_to_capture`` in the wheel (:mod:`sglang_wheel`), computes the states with the
+tiny HF model, fills a logits-processor output the way ``layers/logits_processor.py`` does with
+aux capture on (packed aux states + ``last_hidden_states``), runs the ``forward_hooks`` it was
+given exactly as ``model_executor/hook_manager.py`` resolves and calls them, and answers with
+``meta_info`` shaped as ``managers/tokenizer_manager.py`` builds it.
+
+It is importable by module name so spawned extraction workers can unpickle it, and it counts
+its constructions and forwards in a file (workers are other processes).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import os
+import signal
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from sglang_wheel import SGLangModels, find_wheel
+
+
+@functools.lru_cache(maxsize=1)
+def wheel_models() -> SGLangModels:
+    return SGLangModels(find_wheel())
+
+
+@functools.lru_cache(maxsize=1)
+def server_arg_fields() -> frozenset[str]:
+    """Every ServerArgs field of the wheel (``sglang/srt/arg_groups/fields/*.py``)."""
+    import ast
+    import zipfile
+
+    names = set()
+    with zipfile.ZipFile(find_wheel()) as zf:
+        for name in zf.namelist():
+            if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
+                for node in ast.walk(ast.parse(zf.read(name).decode())):
+                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                        names.add(node.target.id)
+    return frozenset(names)
+
+
+def capture_rule(architecture: str):
+    models = wheel_models()
+    refs = [r for r in models.capturing_classes() if r.name == architecture]
+    assert refs, f"{architecture} captures no EAGLE-3 aux states in the wheel"
+    return models.rule(refs[0])
+
+
+@dataclass
+class LogitsOutput:
+    """The two fields of LogitsProcessorOutput the capture path fills."""
+
+    hidden_states: torch.Tensor | None
+    last_hidden_states: torch.Tensor | None
+
+
+class FakeSGLangEngine:
+    def __init__(
+        self,
+        *,
+        architecture: str = "LlamaForCausalLM",
+        counts: str | None = None,
+        faults: dict | None = None,
+        **server_args,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        unknown = set(server_args) - server_arg_fields()
+        assert not unknown, f"not sglang 0.5.23 server args: {unknown}"
+        self.args = server_args
+        self.faults = faults or {}
+        self.counts = counts
+        self._count("engine")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            server_args["model_path"], dtype=torch.float32
+        ).eval()
+        n = self.model.config.num_hidden_layers
+        # arg_groups/validation_hook.py handle_aux_hidden_state_capture
+        assert server_args.get("enable_return_aux_hidden_states") is True
+        assert server_args.get("speculative_algorithm") == "EAGLE3"
+        ids = server_args["return_aux_hidden_state_layer_ids"]
+        assert ids and len(set(ids)) == len(ids) and min(ids) >= 0
+        # model_runner_components/spec_aux_hidden_state.py _check_capture_layer_ids_in_range
+        assert max(ids) < n, f"ids {ids} out of range for {n} layers"
+        captured = capture_rule(architecture)(list(ids), n)
+        # the model loop only captures layers that exist; logits_processor.py
+        # _check_aux_hidden_states fails when fewer than asked were captured
+        assert all(0 <= v < n for v in captured), (architecture, ids, captured)
+        assert len(set(captured)) == len(ids), (architecture, ids, captured)
+        self.capture = sorted(captured)  # the model loop captures in layer order
+        if self.faults.get("wrong_layer"):  # a rule hsstore got wrong: one layer too deep
+            self.capture = [min(v + 1, n - 1) for v in self.capture]
+        self.hooks = [self._resolve_hook(spec) for spec in server_args.get("forward_hooks") or []]
+        self.shut = False
+
+    def _count(self, what: str) -> None:
+        if self.counts:
+            with open(self.counts, "a") as f:
+                f.write(f"{what} {os.getpid()}\n")
+
+    @staticmethod
+    def _resolve_hook(spec: dict):
+        # model_executor/hook_manager.py: register_forward_hooks + resolve_callable
+        names = ("logits_processor", "language_model.logits_processor")
+        assert any(fnmatch.fnmatch(n, p) for n in names for p in spec["target_modules"])
+        module_name, fn_name = spec["hook_factory"].split(":", 1)
+        factory = getattr(importlib.import_module(module_name), fn_name)
+        return factory(spec.get("config") or {})
+
+    def shutdown(self) -> None:
+        self.shut = True
+        if self.faults.get("kill_on_shutdown"):
+            # what closing an engine can do to the process holding it (entrypoints/engine.py
+            # kills the children; utils/watchdog.py then SIGQUITs the whole tree)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @torch.inference_mode()
+    def generate(self, *, input_ids, sampling_params, return_hidden_states):
+        assert sampling_params["max_new_tokens"] == 1 and return_hidden_states is True
+        self._count("forward")
+        die = self.faults.get("die_once_file")
+        if die and not Path(die).exists():
+            Path(die).write_text("died\n")
+            os._exit(17)
+        responses = []
+        for ids in input_ids:
+            out = self.model.model(
+                input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
+            )
+            hs = out.hidden_states  # hs[i] = residual entering layer i; hs[N] = normed final
+            aux = torch.cat([hs[i][0] for i in self.capture], dim=-1)
+            final = out.last_hidden_state[0]
+            if self.faults.get("prenorm_instead_of_aux"):
+                aux = hs[-2][0]  # _get_hidden_states_to_store prefers hidden_states_before_norm
+            output = LogitsOutput(hidden_states=aux, last_hidden_states=final)
+            for hook in self.hooks:
+                hook(None, (), output)
+            responses.append(self._response(ids, output.hidden_states))
+        if self.faults.get("drop_response"):
+            responses.pop()
+        return responses
+
+    def _response(self, ids, rows: torch.Tensor) -> dict:
+        nested = rows.tolist()
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": len(ids),
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "hidden_states": [nested],
+        }
+        cut = self.faults.get("truncate_rows")
+        if cut and len(ids) == self.faults.get("truncate_len", len(ids)):
+            meta["hidden_states"] = [nested[:-cut]]  # what chunked prefill / a cache hit gives
+        return {"output_ids": [0], "meta_info": meta}
+
+
+def factory(**fake_kwargs):
+    """An engine factory that pickles by reference (spawned workers rebuild it)."""
+    return functools.partial(FakeSGLangEngine, **fake_kwargs)
+
+
+def counted(path: Path) -> dict[str, int]:
+    """{"engine": constructions, "forward": generate calls} across every process."""
+    out = {"engine": 0, "forward": 0}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            out[line.split()[0]] += 1
+    return out
