@@ -92,6 +92,10 @@ class ObjectStorage(Storage):
         self._cache = (
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
+        if self._cache is not None:
+            # Chunks are then read from local copies (each file is fetched whole, in one
+            # streamed GET): short reads, decoded and hashed while still in CPU cache.
+            self.coalesce_bytes = 0
         self._pid = os.getpid()
         self._cache_lock = threading.Lock()
 
