@@ -329,12 +329,16 @@ class SegmentReader:
             self._read_raw_rows(start, stop, out_bytes, hasher)
             return
 
-        for c in range(start // rpc, (stop - 1) // rpc + 1):
+        last = (stop - 1) // rpc
+        fetched: dict[tuple[int, int], memoryview] = {}
+        for c in range(start // rpc, last + 1):
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
             shard, local = divmod(c, cps)
             idx = self.shard_index(shard)
             key = self._key(paths.shard_relpath(shard))
+            if self.storage.coalesce_bytes and not any((c, j) in fetched for j in by_chunk):
+                fetched = self._fetch_chunks(c, last, list(by_chunk))
             for j, positions in by_chunk.items():
                 offset, nbytes = (int(v) for v in idx[local, j])
                 if offset == zarr_meta.EMPTY:
@@ -344,7 +348,7 @@ class SegmentReader:
                     )
                 what = f"{self.storage.path_of(key)} chunk ({c}, {j})"
                 if whole_rows and lo == crow0 and hi == crow0 + rpc:
-                    encoded = self._read_chunk(key, offset, nbytes)
+                    encoded = fetched.get((c, j)) or self._read_chunk(key, offset, nbytes)
                     dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
                     self._codec.decode_into(encoded, dst, what=what)
                     continue  # whole_rows means a single layer chunk: the row loop ends here
@@ -353,9 +357,8 @@ class SegmentReader:
                 # sample: the thread's scratch keeps the last one decoded (chunks never change).
                 if getattr(_THREAD_SCRATCH, "decoded", None) != (self, c, j):
                     _THREAD_SCRATCH.decoded = None
-                    self._codec.decode_into(
-                        self._read_chunk(key, offset, nbytes), scratch, what=what
-                    )
+                    encoded = fetched.get((c, j)) or self._read_chunk(key, offset, nbytes)
+                    self._codec.decode_into(encoded, scratch, what=what)
                     _THREAD_SCRATCH.decoded = (self, c, j)
                 chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
                     rpc, lpc, man.hidden_size
@@ -368,6 +371,53 @@ class SegmentReader:
                         out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None:
                 hasher.update(out_bytes[lo - start : hi - start])
+
+    def _fetch_chunks(
+        self, first: int, last: int, layer_chunks: list[int]
+    ) -> dict[tuple[int, int], memoryview]:
+        """The encoded bytes of chunks (c, j) for c from ``first`` on (same shard, up to
+        ``last``, at most `Storage.coalesce_bytes` in all; at least chunk ``first``), fetched
+        as one request per run of chunks that lie back to back in the shard, all requests in
+        one storage call so a remote backend has them in flight together. A chunk this
+        thread already holds decoded, or one missing from the index, is left out (the caller
+        reuses the first and reports the second)."""
+        cps = self.manifest.layout.chunks_per_shard
+        shard = first // cps
+        idx = self.shard_index(shard)
+        key = self._key(paths.shard_relpath(shard))
+        wanted: list[tuple[int, int, int, int]] = []  # (offset, nbytes, c, j)
+        total = 0
+        for c in range(first, min(last, (shard + 1) * cps - 1) + 1):
+            row = [(int(idx[c % cps, j][0]), int(idx[c % cps, j][1]), c, j) for j in layer_chunks]
+            size = sum(n for o, n, _, _ in row if o != zarr_meta.EMPTY)
+            if c > first and total + size > self.storage.coalesce_bytes:
+                break
+            total += size
+            decoded = getattr(_THREAD_SCRATCH, "decoded", None)
+            wanted += [e for e in row if e[0] != zarr_meta.EMPTY and decoded != (self, e[2], e[3])]
+        wanted.sort()
+        runs: list[list[tuple[int, int, int, int]]] = []
+        for entry in wanted:
+            if runs and runs[-1][-1][0] + runs[-1][-1][1] == entry[0]:
+                runs[-1].append(entry)
+            else:
+                runs.append([entry])
+        buf = self._scratch("run", sum(n for _, n, _, _ in wanted))
+        requests, at = [], 0
+        for run in runs:
+            length = sum(n for _, n, _, _ in run)
+            requests.append((run[0][0], buf[at : at + length]))
+            at += length
+        got = self.storage.read_ranges_into(key, requests)
+        if got != [len(b) for _, b in requests]:
+            raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
+        fetched: dict[tuple[int, int], memoryview] = {}
+        for (_, run_buf), run in zip(requests, runs, strict=True):
+            pos = 0
+            for _, nbytes, c, j in run:
+                fetched[(c, j)] = run_buf[pos : pos + nbytes]
+                pos += nbytes
+        return fetched
 
     def _read_chunk(self, key: str, offset: int, nbytes: int) -> memoryview:
         encoded = self._scratch("enc", nbytes)
@@ -386,6 +436,9 @@ class SegmentReader:
         layout = self.manifest.layout
         rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, self._row_bytes_chunk
         junk = self._scratch("junk", 64)
+        # Runs stay a few MiB so the checksum reads them back from cache, unless the storage
+        # wants longer requests (one round trip each on an object store).
+        run_cap = max(4 << 20, self.storage.coalesce_bytes)
         c, last = start // rpc, (stop - 1) // rpc
         run_lo = 0
         while c <= last:
@@ -395,8 +448,7 @@ class SegmentReader:
             run: list[memoryview] = []
             run_start = prev_end = -1
             run_rows = 0
-            # Runs stay a few MiB so the checksum reads them back from cache.
-            while c <= last and c // cps == shard and len(run) < 1000 and run_rows * rb < (4 << 20):
+            while c <= last and c // cps == shard and len(run) < 1000 and run_rows * rb < run_cap:
                 offset, nbytes = (int(v) for v in idx[c % cps, 0])
                 if offset == zarr_meta.EMPTY:
                     raise IntegrityError(

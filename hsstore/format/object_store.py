@@ -75,6 +75,7 @@ class ObjectStorage(Storage):
     # obstore runs requests on a tokio runtime whose threads do not survive fork(): a forked
     # child's requests hang (obstore and tokio document fork as unsupported).
     fork_safe = False
+    coalesce_bytes = 32 << 20
 
     def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
         self.root = url.rstrip("/")
@@ -91,6 +92,10 @@ class ObjectStorage(Storage):
         self._cache = (
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
+        if self._cache is not None:
+            # Chunks are then read from local copies (each file is fetched whole, in one
+            # streamed GET): short reads, decoded and hashed while still in CPU cache.
+            self.coalesce_bytes = 0
         self._pid = os.getpid()
         self._cache_lock = threading.Lock()
 
@@ -161,17 +166,36 @@ class ObjectStorage(Storage):
             ]
         return _scatter([memoryview(p) for p in parts], buffers)
 
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        """Several (offset, length) ranges of one object in one call; obstore coalesces near
-        ranges into one request and sends the rest concurrently."""
+    def read_ranges_into(self, key: str, requests: list[tuple[int, memoryview]]) -> list[int]:
+        """Several ranges of one object in one call: obstore sends them concurrently (ranges
+        longer than `SPLIT_BYTES` as several GETs), then each lands in its buffer."""
         if self._cache is not None and self._cache.covers(key):
-            return super().read_ranges(key, ranges)
-        starts = [o for o, _ in ranges]
-        lengths = [n for _, n in ranges]
+            local = self._cache.local(key, self._fetch_whole)
+            return local.read_ranges_into(key, requests)
+        pieces: list[tuple[int, int, int]] = []  # (request, start, end)
+        for i, (offset, buf) in enumerate(requests):
+            for start in range(offset, offset + len(buf), SPLIT_BYTES):
+                pieces.append((i, start, min(start + SPLIT_BYTES, offset + len(buf))))
+        if not pieces:
+            return [0] * len(requests)
         got = self._call(
-            key, lambda: obstore.get_ranges(self._store, key, starts=starts, lengths=lengths)
+            key,
+            lambda: obstore.get_ranges(
+                self._store,
+                key,
+                starts=[s for _, s, _ in pieces],
+                ends=[e for _, _, e in pieces],
+                coalesce=0,
+            ),
         )
-        return [memoryview(b) for b in got]
+        filled = [0] * len(requests)
+        for (i, start, _), data in zip(pieces, got, strict=True):
+            offset, buf = requests[i]
+            view = memoryview(data)
+            at = start - offset
+            buf[at : at + len(view)] = view
+            filled[i] += len(view)
+        return filled
 
     def _fetch_whole(self, key: str) -> Iterator[memoryview]:
         result = self._call(key, lambda: obstore.get(self._store, key))

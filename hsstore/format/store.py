@@ -46,6 +46,10 @@ class Storage(abc.ABC):
     # Whether a process forked after this storage was used can still use storages of its kind
     # (worker processes are spawned instead when not).
     fork_safe: bool = True
+    # How many bytes of adjacent compressed chunks a reader fetches with one request. 0: one
+    # read per chunk, decoded while it is still in cache (the fastest on local disk); an object
+    # store wants long ranges, since every request pays a round trip.
+    coalesce_bytes: int = 0
 
     @abc.abstractmethod
     def read_bytes(self, key: str) -> bytes: ...
@@ -64,14 +68,11 @@ class Storage(abc.ABC):
                 break
         return total
 
-    def read_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        """Several (offset, length) ranges of one object (a backend may coalesce them)."""
-        out = []
-        for offset, length in ranges:
-            buf = memoryview(bytearray(length))
-            got = self.read_into(key, offset, buf)
-            out.append(buf[:got])
-        return out
+    def read_ranges_into(self, key: str, requests: list[tuple[int, memoryview]]) -> list[int]:
+        """Fill several buffers, each from its own offset of one object; returns the bytes read
+        into each. A backend may send the requests concurrently; locally they are preads in
+        turn, as a single `read_into` each."""
+        return [self.read_into(key, offset, buf) for offset, buf in requests]
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...

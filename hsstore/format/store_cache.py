@@ -5,8 +5,11 @@ cached copy can never be stale. Manifests are always read from the store.
 
 Files are least-recently-used evicted when the folder grows past its byte budget; a file is
 put in place by rename, so a killed process leaves at most a temporary file, which the next
-start removes. Every read through the cache is still checked against the sample checksum and
-chunk crc32c by the reader, so a damaged cached file is caught like a damaged remote one.
+start removes. Each cached file has a sidecar holding the XXH3-64 of its bytes, taken while it
+was downloaded; a process checks a file it did not download itself against that digest before
+its first read, and fetches it again when it differs (a damaged or half-replaced copy from an
+earlier run is never served). Damage after that check is caught by the reader's chunk crc32c
+and sample checksum like damage to a remote object, as an error, never as wrong bytes.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
+import xxhash
+
 from hsstore.format import paths
 from hsstore.format.store import TEMP_PREFIX, LocalStorage
 
 DEFAULT_CACHE_BYTES = 64 << 30
+DIGEST_SUFFIX = ".xxh3"
 
 
 class LocalCache:
@@ -38,11 +44,13 @@ class LocalCache:
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self._sizes: OrderedDict[str, int] = OrderedDict()
+        # Files this process has downloaded or checked against their digest.
+        self._checked: set[str] = set()
         for info in self.storage.walk(paths.SEGMENTS):
             name = info.key.rsplit("/", 1)[-1]
             if name.startswith(TEMP_PREFIX):
                 self.storage.delete(info.key)
-            else:
+            elif not name.endswith(DIGEST_SUFFIX):
                 self._sizes[info.key] = info.size
 
     @staticmethod
@@ -50,33 +58,57 @@ class LocalCache:
         return key.startswith(paths.SEGMENTS + "/")
 
     def local(self, key: str, fetch: Callable[[str], Iterator[memoryview]]) -> LocalStorage:
-        """The local storage holding ``key`` (downloaded first when missing)."""
+        """The local storage holding ``key`` (downloaded first when missing or damaged)."""
         with self._lock:
-            if key in self._sizes:
+            if key in self._checked:
                 self._sizes.move_to_end(key)
                 return self.storage
             key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:  # one download per file, other threads wait for it
+        with key_lock:  # one download (or check) per file, other threads wait for it
             with self._lock:
-                if key in self._sizes:
+                if key in self._checked:
                     return self.storage
-            size = self._download(key, fetch)
+                cached = key in self._sizes
+            if not (cached and self._intact(key)):
+                size = self._download(key, fetch)
+                with self._lock:
+                    self._sizes[key] = size
             with self._lock:
-                self._sizes[key] = size
+                self._sizes.move_to_end(key)
+                self._checked.add(key)
                 self._key_locks.pop(key, None)
                 self._evict(keep=key)
         return self.storage
+
+    def _intact(self, key: str) -> bool:
+        """Whether the cached file still hashes to the digest recorded when it was fetched."""
+        final = os.path.join(self.folder, key)
+        try:
+            with open(final + DIGEST_SUFFIX) as f:
+                recorded = f.read().strip()
+            hasher = xxhash.xxh3_64()
+            with open(final, "rb") as f:
+                while piece := f.read(1 << 20):
+                    hasher.update(piece)
+        except OSError:
+            return False
+        return hasher.hexdigest() == recorded
 
     def _download(self, key: str, fetch: Callable[[str], Iterator[memoryview]]) -> int:
         final = os.path.join(self.folder, key)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         tmp = os.path.join(os.path.dirname(final), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
         size = 0
+        hasher = xxhash.xxh3_64()
         try:
+            # The digest goes first: a crash between the two renames leaves a digest that does
+            # not match the old file (or no file), so the next start fetches it again.
             with open(tmp, "xb") as f:
                 for piece in fetch(key):
                     f.write(piece)
+                    hasher.update(piece)
                     size += len(piece)
+            self.storage.put(key + DIGEST_SUFFIX, hasher.hexdigest().encode())
             os.replace(tmp, final)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -92,8 +124,10 @@ class LocalCache:
                 self._sizes.move_to_end(key)
                 continue
             del self._sizes[key]
+            self._checked.discard(key)
             # A reader holding the file open keeps reading the unlinked inode safely.
             self.storage.delete(key)
+            self.storage.delete(key + DIGEST_SUFFIX)
             total -= size
 
     def close(self) -> None:
