@@ -228,7 +228,8 @@ class Dataset:
         readers: list[SegmentReader] = getattr(self, "_readers", [])
         tables: list[pa.Table] = getattr(self, "_tables", [])
         n = len(readers)
-        if [s.id for s in manifest.segments[:n]] != [r.info.id for r in readers]:
+        # Segment ids are unique and append-only: the same n-th id means the same first n.
+        if n and (len(manifest.segments) < n or manifest.segments[n - 1].id != readers[-1].info.id):
             readers, tables, n = [], [], 0
         self.manifest = manifest
         self._readers, self._tables = readers[:n], tables[:n]

@@ -75,6 +75,7 @@ class Writer:
             encode_threads or os.cpu_count() or 1,
         )
         self._known_segments = {s.id for s in ds.manifest.segments}
+        self._segments_seen = len(ds.manifest.segments)
         self._committed_ids = set(ds.sample_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
@@ -278,7 +279,8 @@ class Writer:
                 raise
 
         def _build_next(latest: Manifest) -> Manifest:
-            for seg in latest.segments:
+            # Segments are only ever appended: the ones this writer has not seen are at the end.
+            for seg in latest.segments[self._segments_seen :]:
                 if seg.id in self._known_segments:
                     continue
                 theirs = set(
@@ -333,6 +335,7 @@ class Writer:
         self._finished.clear()
         self._skipped.clear()
         self.manifest = published
+        self._segments_seen = len(published.segments)
         self.ds.refresh(to=published)
         return published
 
