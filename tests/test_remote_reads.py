@@ -12,8 +12,9 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
+from hsstore.format.locations import open_storage
 from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import LocalStorage, Storage, open_storage
+from hsstore.format.store import LocalStorage, Storage
 from hsstore.format.store_cache import DIGEST_SUFFIX
 from tools.synthetic import random_sample
 
