@@ -52,6 +52,7 @@ class AuditSource:
     path: str  # a local path, or a URL for a dataset in object storage
     kind: str
     format_version: int | None = None
+    version: int | None = None  # the committed version read (hsstore datasets only)
     layers: list[LayerSpec]
     hidden_size: int
     dtype: str

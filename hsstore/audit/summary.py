@@ -70,7 +70,7 @@ def build_summary(
         "path": str(src.path),
         "format": src.kind,
         "format_version": src.format_version,
-        "version": getattr(src, "version", None),
+        "version": src.version,
         "model": src.model,
         "hidden_size": src.hidden_size,
         "dtype": src.dtype,
