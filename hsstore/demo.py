@@ -46,11 +46,11 @@ def demo_prompts() -> list[dict[str, Any]]:
 def run_demo(out: str | Path, *, workers: int = 2, progress: bool = True) -> dict[str, Any]:
     """Run the pipeline into ``out`` (which must not exist yet); returns a summary."""
     import hsstore
-    from extractors.runner import ExtractOptions, run_extract
     from hsstore.audit.report import to_text
     from hsstore.audit.run import AuditOptions, audit
     from hsstore.convert import export_to_v1
     from hsstore.demo_model import build_tiny_model
+    from hsstore.extract.runner import ExtractOptions, run_extract
     from hsstore.loader import Loader
 
     out = Path(out)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hsstore
-from extractors.writer_thread import STALL_ENV
+from hsstore.extract.writer_thread import STALL_ENV
 from tools.tiny_model import build_tiny_model
 
 N_ROWS = 24

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hsstore
-from extractors.runner import ExtractOptions, run_extract
+from hsstore.extract.runner import ExtractOptions, run_extract
 from tools.tiny_model import build_tiny_model
 
 N_LAYERS = 4

@@ -17,16 +17,16 @@ import torch
 from sglang_fake import FakeSGLangEngine, counted, factory
 
 import hsstore
-from extractors.chat_tokens import TokenizedPrompt
-from extractors.runner import ExtractOptions, WorkerFailedError, run_extract
-from extractors.sglang_backend import (
+from hsstore.errors import BadInputError
+from hsstore.extract.chat_tokens import TokenizedPrompt
+from hsstore.extract.runner import ExtractOptions, WorkerFailedError, run_extract
+from hsstore.extract.sglang_backend import (
     SGLangBackend,
     SGLangResponseError,
     check_sglang_version,
     plan_capture,
     rows_from_response,
 )
-from hsstore.errors import BadInputError
 from hsstore.format.layers import LayerSpec
 from tools.tiny_model import build_tiny_model
 
@@ -56,7 +56,7 @@ def batch_of(tiny, n=2):
 
 
 def hf_states(tiny, batch, layers):
-    from extractors.transformers_backend import TransformersBackend
+    from hsstore.extract.transformers_backend import TransformersBackend
 
     backend = TransformersBackend(str(tiny), layers, torch_dtype="float32")
     try:
@@ -210,8 +210,8 @@ def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, promp
     assert "died (exit code 17)" in message
     from transformers import AutoTokenizer
 
-    from extractors.chat_tokens import ChatTokenizer
-    from extractors.prompts import read_prompts
+    from hsstore.extract.chat_tokens import ChatTokenizer
+    from hsstore.extract.prompts import read_prompts
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
     for prompt in read_prompts(prompts):
@@ -339,8 +339,8 @@ def test_cli_without_sglang_is_a_clear_error(tiny, prompts, tmp_path):
 def test_failure_mid_run_keeps_earlier_batches_and_resumes(tiny, prompts, tmp_path):
     from transformers import AutoTokenizer
 
-    from extractors.chat_tokens import ChatTokenizer
-    from extractors.prompts import read_prompts
+    from hsstore.extract.chat_tokens import ChatTokenizer
+    from hsstore.extract.prompts import read_prompts
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
     encoded = [chat.encode(p) for p in read_prompts(prompts)]

@@ -16,10 +16,10 @@ import pytest
 from sglang_fake import server_arg_fields
 from sglang_wheel import SETTER, SGLangModels, Unclassifiable, find_wheel
 
-from extractors.layer_select import eagle3_aux_layers
-from extractors.sglang_backend import engine_kwargs, plan_capture
+from hsstore.extract.layer_select import eagle3_aux_layers
+from hsstore.extract.sglang_backend import engine_kwargs, plan_capture
 from hsstore.format.layers import LayerSpec
-from trainers.eagle3.checkpoint import DRAFTER_ARCHITECTURE, sglang_layer_ids
+from hsstore.trainers.eagle3.checkpoint import DRAFTER_ARCHITECTURE, sglang_layer_ids
 
 # Classes whose capture code is not in the wheel, with why hsstore cannot vouch for them.
 OUTSIDE_THE_WHEEL = {
@@ -134,7 +134,7 @@ def test_the_final_state_mechanism_still_holds_in_the_wheel():
 def test_hook_appends_the_final_state_or_leaves_the_output_alone():
     import torch
 
-    from extractors.sglang_hook import final_state_hook
+    from hsstore.extract.sglang_hook import final_state_hook
 
     class Output:
         def __init__(self, aux, last):
@@ -170,7 +170,7 @@ def test_drafter_config_serves_the_trained_depths(table, n):
 
 
 def test_drafter_rule_table_matches_the_wheel(table):
-    from trainers.eagle3.checkpoint import SGLANG_FIRST_ID_RULE_TARGETS
+    from hsstore.trainers.eagle3.checkpoint import SGLANG_FIRST_ID_RULE_TARGETS
 
     derived = {name for name, (rule, _) in table.items() if rule == "deepseek"}
     assert derived == set(SGLANG_FIRST_ID_RULE_TARGETS)

@@ -80,7 +80,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_ships_the_library_and_not_the_tools(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == {"hsstore", "extractors", "trainers"}
+    assert top == {"hsstore"}
     for needed in ("manifest.schema.json", "inspect.schema.json"):
         assert f"hsstore/schemas/{needed}" in names
     assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
@@ -113,7 +113,11 @@ def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
             [str(a) for a in args], cwd=elsewhere, env=env, capture_output=True, text=True
         )
 
-    where = run(python, "-c", "import hsstore, extractors; print(hsstore.__file__)")
+    where = run(
+        python,
+        "-c",
+        "import hsstore, hsstore.extract, hsstore.trainers.eagle3; print(hsstore.__file__)",
+    )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(env_dir), where.stdout
     no_tools = run(python, "-c", "import tools")

@@ -100,7 +100,7 @@ def _dataset(url: str, n: int = 24) -> None:
 
 def _torchrun(url: str, out: Path, log: Path, steps: int, *extra: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "trainers.eagle3",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "hsstore.trainers.eagle3",
            "--data", url, "--out", str(out), "--steps", str(steps), "--max-tokens", "64",
            "--draft-vocab-size", "64", "--ttt-steps", "2", "--num-threads", "1",
            "--log-every", "100", "--device", "cpu", "--samples-log", str(log), *extra]  # fmt: skip

@@ -18,10 +18,10 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.trainers.eagle3.checkpoint import load_drafter
+from hsstore.trainers.eagle3.model import TargetHead, load_target_tensors
+from hsstore.trainers.eagle3.train import main
 from tools.tiny_model import build_tiny_model
-from trainers.eagle3.checkpoint import load_drafter
-from trainers.eagle3.model import TargetHead, load_target_tensors
-from trainers.eagle3.train import main
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_LAYERS, HIDDEN, VOCAB = 4, 64, 512
@@ -198,7 +198,7 @@ def test_resume_continues_with_the_batches_and_losses_of_an_uninterrupted_run(ti
 
 
 def test_command_line_prints_progress_and_a_final_json_line(tiny, tmp_path):
-    cmd = [sys.executable, "-m", "trainers.eagle3", *base_args(tiny, tmp_path / "cli", 10)]
+    cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", *base_args(tiny, tmp_path / "cli", 10)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hsstore import LayerSpec
-from trainers.eagle3.checkpoint import load_drafter, save_checkpoint, server_config
-from trainers.eagle3.model import (
+from hsstore.trainers.eagle3.checkpoint import load_drafter, save_checkpoint, server_config
+from hsstore.trainers.eagle3.model import (
     DrafterConfig,
     Eagle3Drafter,
     TargetHead,
@@ -20,8 +20,8 @@ from trainers.eagle3.model import (
     load_target_tensors,
     rope_cos_sin,
 )
-from trainers.eagle3.train import align_batch, step_validity, ttt_loss
-from trainers.eagle3.vocab import build_vocab_maps, count_tokens
+from hsstore.trainers.eagle3.train import align_batch, step_validity, ttt_loss
+from hsstore.trainers.eagle3.vocab import build_vocab_maps, count_tokens
 
 H, V, D, K = 32, 50, 20, 3
 

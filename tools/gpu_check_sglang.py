@@ -176,7 +176,7 @@ def build_check_models(work: Path, *, hidden: int = 512, layers: int = 6) -> dic
 
 
 def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
-    from extractors.runner import ExtractOptions, run_extract
+    from hsstore.extract.runner import ExtractOptions, run_extract
 
     t0 = time.perf_counter()
     summary = run_extract(
@@ -188,7 +188,7 @@ def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
 
 def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
     """Per stored layer: worst relative error, worst cosine, distance to the other layers."""
-    from extractors.check import compare_datasets
+    from hsstore.extract.check import compare_datasets
 
     return compare_datasets(ref_dir, other_dir)
 
@@ -197,8 +197,8 @@ def chunked_prefill_is_caught(model: str, data_dir: Path) -> dict[str, Any]:
     """With chunked prefill on, a long prompt must make the adapter fail, not store rows."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from extractors.runner import WorkerFailedError
-    from extractors.sglang_backend import SGLangResponseError
+    from hsstore.extract.runner import WorkerFailedError
+    from hsstore.extract.sglang_backend import SGLangResponseError
 
     context = int(AutoConfig.from_pretrained(model).max_position_embeddings)
     text = chunked_prompt_text(AutoTokenizer.from_pretrained(model), context)

@@ -1,6 +1,6 @@
 """``hsstore extract``: run a target model over prompts and store its hidden states.
 
-The work is done by the ``extractors`` package; this module only maps options to it.
+The work is done by the ``hsstore.extract`` package; this module only maps options to it.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def command(
     as_json: bool,
 ) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
-    from extractors.runner import ExtractOptions, run_extract
+    from hsstore.extract.runner import ExtractOptions, run_extract
 
     backend_options = {}
     if backend == "sglang":

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from extractors.prompts import Prompt, SkippedRow
 from hsstore.errors import BadInputError
+from hsstore.extract.prompts import Prompt, SkippedRow
 
 
 @dataclass(frozen=True)

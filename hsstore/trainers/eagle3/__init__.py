@@ -1,7 +1,7 @@
 """A small, readable EAGLE-3 drafter trainer on top of the hsstore loader (docs/TRAINER.md)."""
 
-from trainers.eagle3.model import DrafterConfig, Eagle3Drafter, TargetHead
-from trainers.eagle3.vocab import VocabMaps, build_vocab_maps, count_tokens
+from hsstore.trainers.eagle3.model import DrafterConfig, Eagle3Drafter, TargetHead
+from hsstore.trainers.eagle3.vocab import VocabMaps, build_vocab_maps, count_tokens
 
 __all__ = [
     "DrafterConfig",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainers.eagle3.model import DrafterConfig, Eagle3Drafter
+from hsstore.trainers.eagle3.model import DrafterConfig, Eagle3Drafter
 
 CHECKPOINT_DIR = "checkpoint"
 # SGLang's EAGLE-3 drafter class for a Llama-layout drafter (sglang 0.5.23

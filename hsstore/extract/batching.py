@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from extractors.chat_tokens import TokenizedPrompt
+from hsstore.extract.chat_tokens import TokenizedPrompt
 
 # Batches are formed inside windows of this many batches' worth of samples, sorted by length,
 # so padding stays small without reading the whole input first.

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from extractors.batching import parse_shard
-from extractors.layer_select import parse_layers
-from extractors.progress import Progress
-from extractors.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
+from hsstore.extract.batching import parse_shard
+from hsstore.extract.layer_select import parse_layers
+from hsstore.extract.progress import Progress
+from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.format.layers import LayerSpec
 
 
@@ -62,7 +62,7 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
     """Run an extraction end to end; returns the summary printed by the CLI.
 
     With ``check_against``, the same prompts are then extracted by that backend into a
-    temporary dataset and compared layer by layer (``summary["check"]``, see extractors/check.py).
+    temporary dataset and compared layer by layer (``summary["check"]``, see hsstore/extract/check.py).
     """
     summary = _run_extract(opts)
     if opts.check_against:
@@ -74,7 +74,7 @@ def _check_against(opts: ExtractOptions) -> dict[str, Any]:
     import tempfile
 
     import hsstore
-    from extractors.check import DEFAULT_TOLERANCE, compare_datasets, verdict
+    from hsstore.extract.check import DEFAULT_TOLERANCE, compare_datasets, verdict
 
     stored_dtype = hsstore.open(opts.out).manifest.dtype
     with tempfile.TemporaryDirectory(prefix="hsstore-check-") as tmp:
@@ -159,7 +159,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
         # an SGLang engine never lives in this process: closing one kills its process's
-        # children and can take the process itself down (see extractors/worker.py)
+        # children and can take the process itself down (see hsstore/extract/worker.py)
         if opts.workers == 1 and opts.backend != "sglang":
             results = [run_worker(specs[0], progress.handle)]
         else:
@@ -183,7 +183,7 @@ def _sglang_engine_factory_given(opts: ExtractOptions) -> bool:
 def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
-    from extractors.worker import remote_code_hint
+    from hsstore.extract.worker import remote_code_hint
 
     looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
     if looks_local and not os.path.isdir(os.path.expanduser(model)):
@@ -205,7 +205,7 @@ def _store_dtype(opts: ExtractOptions, config: Any) -> str:
     cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = str(cfg).replace("torch.", "") if cfg is not None else "float32"
     if opts.backend == "sglang":
-        from extractors.sglang_backend import resolve_dtype
+        from hsstore.extract.sglang_backend import resolve_dtype
 
         return resolve_dtype("auto", name)
     return name if name in ("float32", "float16", "bfloat16") else "float32"

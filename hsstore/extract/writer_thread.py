@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from extractors.chat_tokens import TokenizedPrompt
 from hsstore.dataset import Dataset
+from hsstore.extract.chat_tokens import TokenizedPrompt
 
 STALL_ENV = "HSSTORE_EXTRACT_STALL_AFTER_COMMITS"
 _DONE = object()

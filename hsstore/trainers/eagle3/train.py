@@ -1,6 +1,6 @@
 """Train an EAGLE-3 drafter on an hsstore dataset, streamed by ``hsstore.loader``.
 
-    python -m trainers.eagle3 --data DS [--target MODEL_DIR] --steps N --out DIR [--resume]
+    python -m hsstore.trainers.eagle3 --data DS [--target MODEL_DIR] --steps N --out DIR [--resume]
 
 Read top to bottom: options, batch alignment, targets and loss, then the loop. One process per
 GPU under torchrun (rank and world size come from the environment and go to the loader, which
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainers.eagle3.checkpoint import (
+from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
     load_drafter,
     load_trainer_state,
@@ -27,18 +27,18 @@ from trainers.eagle3.checkpoint import (
     server_config,
     target_architecture_of,
 )
-from trainers.eagle3.model import (
+from hsstore.trainers.eagle3.model import (
     Eagle3Drafter,
     TargetHead,
     drafter_config_from_target,
     load_target_tensors,
 )
-from trainers.eagle3.vocab import VocabMaps, build_vocab_maps, dataset_token_counts
+from hsstore.trainers.eagle3.vocab import VocabMaps, build_vocab_maps, dataset_token_counts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m trainers.eagle3", description=__doc__.split("\n")[0]
+        prog="python -m hsstore.trainers.eagle3", description=__doc__.split("\n")[0]
     )
     p.add_argument(
         "--data", required=True, help="hsstore dataset: a path or s3://, gs://, az:// URL"

@@ -10,7 +10,7 @@ How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``)
   (``layers/logits_processor.py`` ``_get_last_hidden_states_to_store``), but the response only
   carries ``hidden_states``. A forward hook, attached through SGLang's own ``forward_hooks``
   server argument (``model_executor/hook_manager.py``), appends that final state to the aux
-  rows (:mod:`extractors.sglang_hook`), so one response holds ``[T, (K+1)*H]``: the K aux
+  rows (:mod:`hsstore.extract.sglang_hook`), so one response holds ``[T, (K+1)*H]``: the K aux
   captures in ascending layer order, then the final state. Hooks only run on the eager path,
   so prefill (and decode) CUDA graphs are disabled; ``max_new_tokens=1`` never decodes.
 * **Layer ids right by construction.** Model classes disagree on what an id means
@@ -31,7 +31,7 @@ How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``)
   cached_tokens == 0, T rows of the expected width) and anything else raises, naming the sample.
 * **One engine per process.** ``Engine.shutdown`` kills every child of its process
   (``entrypoints/engine.py``), so the runner always runs this backend in a spawned worker
-  process and never in the parent (see :mod:`extractors.runner`).
+  process and never in the parent (see :mod:`hsstore.extract.runner`).
 
 The engine is created through ``engine_factory`` so tests can pass a fake that answers in
 SGLang's response shapes; by default it is ``sglang.Engine``.
@@ -47,15 +47,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from extractors.chat_tokens import TokenizedPrompt
 from hsstore.errors import BadInputError, HsstoreError
+from hsstore.extract.chat_tokens import TokenizedPrompt
 from hsstore.format.layers import LayerSpec
 
 # Versions whose sources this adapter was checked against (docs/EXTRACT.md). Others are refused
 # unless HSSTORE_SGLANG_UNTESTED=1, after validating with --check-against transformers.
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "HSSTORE_SGLANG_UNTESTED"
-HOOK_FACTORY = "extractors.sglang_hook:final_state_hook"
+HOOK_FACTORY = "hsstore.extract.sglang_hook:final_state_hook"
 # The id every capture list starts with: under each rule in the wheel, a list that starts with 1
 # (and stays below N) captures the residual entering layer id + 1.
 ANCHOR_ID = 1

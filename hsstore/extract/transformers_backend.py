@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from extractors.chat_tokens import TokenizedPrompt
 from hsstore.errors import BadInputError
+from hsstore.extract.chat_tokens import TokenizedPrompt
 from hsstore.format import conventions
 from hsstore.format.layers import LayerSpec
 

@@ -4,7 +4,7 @@ A worker is self-contained (it re-reads the input and opens the dataset by path)
 the same in the parent process (``--workers 1``) or in a spawned process, and several nodes can
 run ``--shard i/N`` against one dataset. It never redoes a committed sample: ids already in the
 dataset are skipped when batches are run, although batches themselves are planned over all of
-the worker's rows (see :mod:`extractors.batching`).
+the worker's rows (see :mod:`hsstore.extract.batching`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from extractors.batching import owner, plan_batches
-from extractors.chat_tokens import ChatTokenizer, TokenizedPrompt
-from extractors.prompts import SkippedRow, read_prompts
-from extractors.writer_thread import WriterThread
+from hsstore.extract.batching import owner, plan_batches
+from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
+from hsstore.extract.prompts import SkippedRow, read_prompts
+from hsstore.extract.writer_thread import WriterThread
 
 Event = tuple[str, int, dict[str, Any]]  # (kind, rank, payload)
 
@@ -96,7 +96,7 @@ def make_backend(spec: WorkerSpec) -> Any:
     layers = [LayerSpec.from_json(d) for d in spec.layers]
     options = dict(spec.backend_options)
     if spec.backend == "transformers":
-        from extractors.transformers_backend import TransformersBackend
+        from hsstore.extract.transformers_backend import TransformersBackend
 
         return TransformersBackend(
             spec.model,
@@ -107,7 +107,7 @@ def make_backend(spec: WorkerSpec) -> Any:
             **options,
         )
     if spec.backend == "sglang":
-        from extractors.sglang_backend import SGLangBackend
+        from hsstore.extract.sglang_backend import SGLangBackend
 
         return SGLangBackend(
             spec.model,
