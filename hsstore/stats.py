@@ -128,9 +128,12 @@ class StatsAccumulator:
         self.sample_every = sample_every
         self.dtype_name = dtype_name
         self._phase = 0  # keeps the row sampling uniform across sample boundaries
+        # Reused buffers: fresh multi-MB tensors per sample cost page faults that showed up as
+        # a large share of the stats time.
         self._scratch = torch.empty(
             0, dtype=torch.from_numpy(np.zeros(0, _BITS[dtype_name][0])).dtype
         )
+        self._floats = torch.empty(0, dtype=torch.float32)
 
     def update(self, stored: np.ndarray) -> RowFlags:
         """``stored``: one sample's states [T, L, H] in the storage dtype."""
@@ -148,25 +151,31 @@ class StatsAccumulator:
         good = ~nonfinite & ~zero
         exps = (rowmax >> mantissa).astype(np.int64) - bias
         bins = np.clip(exps, HIST_MIN_EXP, HIST_MAX_EXP) - HIST_MIN_EXP
+        # One bincount for all layers: layer j's bins are offset by j * HIST_BINS.
+        hists = np.bincount(
+            (bins + np.arange(n_layers) * HIST_BINS)[good], minlength=n_layers * HIST_BINS
+        ).reshape(n_layers, HIST_BINS)
+        zero_counts = zero.sum(axis=0).tolist()
+        nonfinite_counts = nonfinite.sum(axis=0).tolist()
 
         start = (-self._phase) % self.sample_every
         self._phase = (self._phase + t) % self.sample_every
         ok = torch.from_numpy(~nonfinite[start :: self.sample_every])  # [t', L]
-        values = bits[start :: self.sample_every].view(float_dtype).float()  # [t', L, H]
+        values = self._sampled_floats(bits[start :: self.sample_every].view(float_dtype))
         # Reduce each row in float32 first, then drop rows holding NaN/Inf and add up in float64.
         okf = ok.double()
         counts = (ok.sum(0) * hidden).tolist()
         sums = (torch.nan_to_num(values.sum(dim=-1).double()) * okf).sum(0).tolist()
-        sumsqs = (torch.nan_to_num(values.square().sum(dim=-1).double()) * okf).sum(0).tolist()
         inf = torch.tensor(float("inf"), dtype=torch.float32)
         mins = torch.where(ok, values.amin(dim=-1), inf).amin(dim=0).tolist() if ok.numel() else []
         maxs = torch.where(ok, values.amax(dim=-1), -inf).amax(dim=0).tolist() if ok.numel() else []
+        squares = torch.mul(values, values, out=values)  # in place: values are not needed again
+        sumsqs = (torch.nan_to_num(squares.sum(dim=-1).double()) * okf).sum(0).tolist()
         for layer, st in enumerate(self.layers):
             st.rows += t
-            st.zero_rows += int(zero[:, layer].sum())
-            st.nonfinite_rows += int(nonfinite[:, layer].sum())
-            hist = np.bincount(bins[good[:, layer], layer], minlength=HIST_BINS)
-            st.rowmax_hist = [a + int(b) for a, b in zip(st.rowmax_hist, hist)]
+            st.zero_rows += zero_counts[layer]
+            st.nonfinite_rows += nonfinite_counts[layer]
+            st.rowmax_hist = [a + b for a, b in zip(st.rowmax_hist, hists[layer].tolist())]
             if counts[layer]:
                 st.sampled_values += int(counts[layer])
                 st.sum += sums[layer]
@@ -176,6 +185,12 @@ class StatsAccumulator:
         return RowFlags(
             zero_rows=int(zero.any(axis=1).sum()), nonfinite_rows=int(nonfinite.any(axis=1).sum())
         )
+
+    def _sampled_floats(self, sampled: torch.Tensor) -> torch.Tensor:
+        """The sampled rows as float32 in a reused buffer (exact: every storage dtype widens)."""
+        if self._floats.numel() < sampled.numel():
+            self._floats = torch.empty(sampled.numel(), dtype=torch.float32)
+        return self._floats[: sampled.numel()].view(sampled.shape).copy_(sampled)
 
     def to_json(self) -> dict[str, Any]:
         return {"sample_every": self.sample_every, "layers": [s.to_json() for s in self.layers]}
