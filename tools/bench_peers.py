@@ -1,0 +1,459 @@
+"""Peer race: the same samples written and read by hsstore and by the formats it competes with.
+
+Contenders (each stores the states and the token ids of every sample):
+  hsstore default codec (blosc zstd-1 shuffle) and uncompressed; Lance (pylance, one row per
+  token, zstd, written in batches so pages compress); MosaicML streaming MDS with zstd (read
+  through `StreamingDataset`, which keeps a decompressed copy of every shard on local disk:
+  reported as its own row with that disk cost); safetensors and `torch.save`, one file per
+  sample; zarr-python, one array with hsstore's codec and ~1 MiB chunks.
+Data sets: synthetic LLM-like `[T, 4, 2048]` bf16 (`tools/synthetic.py`) and real MiniLM-L6
+activations `[T, 7, 384]` bf16 (`tools/real_states.py`).
+
+    python tools/bench_peers.py            # ~0.6 GB of data, several minutes
+    python tools/bench_peers.py --quick    # a minute or two
+    python tools/bench_peers.py --peers none --quick   # hsstore only (no peer packages)
+
+Writes are timed once (wall and CPU seconds of all threads); reads are best-of --repeats,
+single-threaded, per sample into a reused buffer: sequential = storage order, random = one
+shuffled pass, warm = after an untimed pass, cold = the contender's files evicted from the page
+cache with posix_fadvise(DONTNEED) first (no system-wide drop). Every figure on the last line is
+a ratio measured in this run, the worse of the two data sets, except G (GB/s):
+
+    ratio_vs_best_peer=A write_vs_best_compressed_peer=B rand_vs_seq_small=C
+    rand_vs_best_compressed_peer=D cold_rand_zstd_vs_none=E loader_small_vs_seq=F
+    decode_gb_s_per_core=G
+
+C and F are taken on the real data set (the small samples); G is the hsstore loader's rate
+with one decode thread on compressed data (GB/s of decoded states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import hsstore  # noqa: E402
+from hsstore import LayerSpec  # noqa: E402
+from tools.synthetic import llm_like_states  # noqa: E402
+from tools.timing import best_of  # noqa: E402
+
+PEERS = ("lance", "mds", "safetensors", "torchsave", "zarr")
+COMPRESSED_PEERS = ("lance", "zarr")  # read compressed bytes; MDS reads a decompressed copy
+Sample = tuple[torch.Tensor, torch.Tensor]  # (input_ids int64 [T], states bf16 [T, L, H])
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def evict(path: Path) -> None:
+    """Drop a contender's (clean) files from the page cache."""
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+class Contender:
+    """One format: writes every sample under ``root``, reads sample i into a [T, L, H] buffer."""
+
+    name = ""
+
+    def __init__(self, root: Path, samples: list[Sample]):
+        self.root, self.samples = root, samples
+        self.lengths = [s.shape[0] for _, s in samples]
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).tolist()
+        _, self.layers, self.hidden = samples[0][1].shape
+
+    def write(self) -> None:
+        raise NotImplementedError
+
+    def open(self) -> None:
+        """Called once after writing, before any read."""
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read_dir(self) -> Path:
+        """What a read touches (evicted before cold reads)."""
+        return self.root
+
+
+class Hsstore(Contender):
+    def __init__(self, root: Path, samples: list[Sample], codec: str):
+        super().__init__(root, samples)
+        self.codec = codec
+        self.name = f"hsstore {codec}"
+
+    def write(self) -> None:
+        ds = hsstore.create(self.root, layers=[LayerSpec(k + 1) for k in range(self.layers)],
+                            hidden_size=self.hidden, dtype=torch.bfloat16, codec=self.codec)  # fmt: skip
+        with ds.writer(encode_threads=1) as w:
+            for i, (ids, states) in enumerate(self.samples):
+                w.add(f"s{i}", ids, torch.ones_like(ids), states)
+
+    def open(self) -> None:
+        self.ds = hsstore.open(self.root)
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        self.ds.read_hidden_into(i, out)
+
+
+class SafetensorsFiles(Contender):
+    name = "safetensors per file"
+
+    def write(self) -> None:
+        from safetensors.torch import save_file
+
+        self.root.mkdir()
+        for i, (ids, states) in enumerate(self.samples):
+            save_file({"hidden_states": states, "input_ids": ids}, str(self.root / f"{i}.st"))
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        from safetensors.torch import load_file
+
+        out.copy_(load_file(str(self.root / f"{i}.st"))["hidden_states"])
+
+
+class TorchSaveFiles(Contender):
+    name = "torch.save per file"
+
+    def write(self) -> None:
+        self.root.mkdir()
+        for i, (ids, states) in enumerate(self.samples):
+            torch.save({"hidden_states": states, "input_ids": ids}, self.root / f"{i}.pt")
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        out.copy_(torch.load(self.root / f"{i}.pt", weights_only=True)["hidden_states"])
+
+
+class ZarrPython(Contender):
+    """One zarr-python array [tokens, L, H] with hsstore's codec settings and ~1 MiB chunks."""
+
+    name = "zarr-python blosc-zstd"
+
+    def write(self) -> None:
+        import zarr
+        from zarr.codecs import BloscCodec
+
+        rows = max(1, (1 << 20) // (self.layers * self.hidden * 2))
+        group = zarr.open_group(str(self.root), mode="w")
+        blosc = BloscCodec(typesize=2, cname="zstd", clevel=1, shuffle="shuffle", blocksize=1 << 20)
+        states = group.create_array("states", shape=(self.offsets[-1], self.layers, self.hidden),
+                                    chunks=(rows, self.layers, self.hidden), dtype="uint16",
+                                    compressors=[blosc])  # fmt: skip
+        ids = group.create_array("input_ids", shape=(self.offsets[-1],), chunks=(1 << 17,),
+                                 dtype="int64", compressors=[blosc])  # fmt: skip
+        # Whole chunks at a time: unaligned per-sample writes would re-encode shared chunks.
+        slab = rows * 16
+        pending, start = [], 0
+        for k, (_, s) in enumerate(self.samples):
+            pending.append(s.view(torch.uint16).numpy())
+            filled = sum(p.shape[0] for p in pending)
+            if filled >= slab or k == len(self.samples) - 1:
+                block = np.concatenate(pending)
+                end = start + (filled // rows * rows if k < len(self.samples) - 1 else filled)
+                states[start:end] = block[: end - start]
+                pending, start = [block[end - start :]], end
+        ids[:] = torch.cat([i for i, _ in self.samples]).numpy()
+
+    def open(self) -> None:
+        import zarr
+
+        self.states = zarr.open_group(str(self.root), mode="r")["states"]
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        block = self.states[self.offsets[i] : self.offsets[i + 1]]
+        out.view(torch.uint16).copy_(torch.from_numpy(block))
+
+
+class LanceRows(Contender):
+    """One row per token (its L*H bf16 values as one binary cell), zstd pages.
+
+    A binary cell rather than a fixed-size list: pylance 14.0.2 leaves fixed-size lists of
+    uint16 uncompressed whatever the field's compression metadata says (ratio 1.000)."""
+
+    name = "lance zstd"
+
+    def write(self) -> None:
+        import lance
+        import pyarrow as pa
+
+        compression = {"lance-encoding:compression": "zstd"}
+        schema = pa.schema([pa.field("hidden", pa.large_binary(), metadata=compression),
+                            pa.field("input_id", pa.int64())])  # fmt: skip
+        row_bytes = self.layers * self.hidden * 2
+
+        def batches():
+            # Many samples per batch: lance compresses page by page, so tiny batches would not.
+            pending: list[Sample] = []
+            for k, sample in enumerate(self.samples):
+                pending.append(sample)
+                if sum(s.shape[0] for _, s in pending) >= 4096 or k == len(self.samples) - 1:
+                    flat = np.concatenate(
+                        [s.view(torch.uint16).numpy().reshape(-1) for _, s in pending]
+                    )
+                    offsets = np.arange(0, flat.nbytes + 1, row_bytes, dtype=np.int64)
+                    hidden = pa.LargeBinaryArray.from_buffers(
+                        pa.large_binary(), len(offsets) - 1,
+                        [None, pa.py_buffer(offsets), pa.py_buffer(flat)],
+                    )  # fmt: skip
+                    ids = np.concatenate([i.numpy() for i, _ in pending])
+                    yield pa.RecordBatch.from_arrays([hidden, pa.array(ids)], schema=schema)
+                    pending = []
+
+        lance.write_dataset(pa.RecordBatchReader.from_batches(schema, batches()), str(self.root))
+
+    def open(self) -> None:
+        import lance
+
+        self.ds = lance.dataset(str(self.root))
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        rows = self.ds.take(list(range(self.offsets[i], self.offsets[i + 1])), columns=["hidden"])
+        cells = rows.column("hidden").combine_chunks()
+        _, offsets, data = cells.buffers()
+        first, last = np.frombuffer(offsets, dtype=np.int64)[
+            [cells.offset, cells.offset + len(cells)]
+        ]
+        np.copyto(out.view(torch.uint16).numpy().reshape(-1),
+                  np.frombuffer(data, dtype=np.uint16, count=(last - first) // 2, offset=first))  # fmt: skip
+
+
+def import_mds():
+    """MDSWriter and StreamingDataset without `streaming/__init__.py`, which imports its
+    vision datasets and so torchvision (streaming/__init__.py:6 in mosaicml-streaming 0.13.0);
+    torchvision is not installed, since its wheels pull a CUDA torch."""
+    import importlib.util
+    import types
+
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ModuleNotFoundError(
+                "mosaicml-streaming is not installed (see docs/PERFORMANCE.md)"
+            )
+        package = types.ModuleType("streaming")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["streaming"] = package
+    from streaming.base import MDSWriter, StreamingDataset
+
+    return MDSWriter, StreamingDataset
+
+
+class MosaicMDS(Contender):
+    name = "MDS zstd (reads its decompressed copy)"
+
+    def write(self) -> None:
+        writer_cls, _ = import_mds()
+        columns = {"hidden": "bytes", "input_ids": "bytes", "tokens": "int"}
+        with writer_cls(out=str(self.root / "remote"), columns=columns, compression="zstd",
+                        size_limit=1 << 26) as w:  # fmt: skip
+            for ids, states in self.samples:
+                w.write({"hidden": states.view(torch.uint16).numpy().tobytes(),
+                         "input_ids": ids.numpy().tobytes(), "tokens": states.shape[0]})  # fmt: skip
+
+    def open(self) -> None:
+        _, dataset_cls = import_mds()
+        self.ds = dataset_cls(remote=str(self.root / "remote"), local=str(self.root / "local"),
+                              shuffle=False, batch_size=1)  # fmt: skip
+        for i in range(len(self.lengths)):  # materialize the local decompressed shards
+            self.ds[i]
+
+    def read_into(self, i: int, out: torch.Tensor) -> None:
+        raw = np.frombuffer(self.ds[i]["hidden"], dtype=np.uint16)
+        np.copyto(out.view(torch.uint16).numpy().reshape(-1), raw)
+
+    def read_dir(self) -> Path:
+        return self.root / "local"
+
+
+@dataclass
+class Result:
+    name: str
+    ratio: float = math.nan  # raw bytes / bytes on disk after writing
+    write_gb_s_cpu: float = math.nan
+    seq: float = math.nan
+    rand: float = math.nan
+    cold_rand: float = math.nan
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def measure(c: Contender, raw_bytes: int, repeats: int, seed: int) -> Result:
+    res = Result(c.name)
+    c0 = time.process_time()  # all threads: some writers encode in parallel
+    c.write()
+    res.write_gb_s_cpu = raw_bytes / (time.process_time() - c0) / 1e9
+    res.ratio = raw_bytes / dir_bytes(c.root)
+    c.open()
+    if isinstance(c, MosaicMDS):
+        res.extra["disk with local copy / raw"] = dir_bytes(c.root) / raw_bytes
+    os.sync()
+    state_bytes = sum(s.nbytes for _, s in c.samples)
+    buf = torch.empty(max(c.lengths) * c.layers * c.hidden, dtype=torch.bfloat16)
+    views = [buf[: t * c.layers * c.hidden].view(t, c.layers, c.hidden) for t in c.lengths]
+    order = torch.randperm(len(views), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def pass_over(indices: list[int]) -> Callable[[], None]:
+        def go() -> None:
+            for i in indices:
+                c.read_into(i, views[i])
+
+        return go
+
+    check = order[0]
+    c.read_into(check, views[check])
+    if not torch.equal(views[check].view(torch.uint16), c.samples[check][1].view(torch.uint16)):
+        raise AssertionError(f"{c.name} returned different bits for sample {check}")
+    evict(c.read_dir())
+    res.cold_rand = state_bytes / best_of(pass_over(order), 1) / 1e9
+    pass_over(list(range(len(views))))()  # warm
+    res.seq = state_bytes / best_of(pass_over(list(range(len(views)))), repeats) / 1e9
+    res.rand = state_bytes / best_of(pass_over(order), repeats) / 1e9
+    return res
+
+
+def loader_gb_s(path: Path, repeats: int) -> float:
+    """Decoded GB/s of the hsstore loader with one decode thread (warm, shuffled)."""
+    from hsstore.loader import Loader
+
+    ds = hsstore.open(path)
+    row_bytes = len(ds.layers) * ds.hidden_size * 2
+    loader = Loader(path, max_tokens=8192, shuffle=True, seed=0, num_threads=1, prefetch=2)
+    best = math.inf
+    for epoch in range(repeats + 1):  # the first epoch warms the cache and the ring
+        loader.set_epoch(epoch)
+        t0, tokens = time.perf_counter(), 0
+        for batch in loader:
+            tokens += int(batch["lengths"].sum())
+        if epoch:
+            best = min(best, time.perf_counter() - t0)
+        loader.close()  # every timed epoch starts from an idle pipeline
+    return tokens * row_bytes / best / 1e9
+
+
+def synthetic(args: argparse.Namespace) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out: list[Sample] = []
+    total = 0
+    while total < args.synthetic_mb * 1e6:
+        t = int(torch.randint(256, 2049, (1,), generator=g))
+        ids = torch.randint(0, 128000, (t,), generator=g)
+        out.append((ids, llm_like_states(t, 4, 2048, seed=len(out))))
+        total += out[-1][1].nbytes
+    return out
+
+
+def real(args: argparse.Namespace) -> list[Sample]:
+    from tools.real_states import minilm_states
+
+    return minilm_states(args.real_samples, layers=tuple(range(7)))
+
+
+def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
+    raw_bytes = sum(s.nbytes + i.nbytes for i, s in samples)
+    shape = tuple(samples[0][1].shape[1:])
+    print(f"\n{name}: {len(samples)} samples, {sum(s.shape[0] for _, s in samples)} tokens, "
+          f"[T, {shape[0]}, {shape[1]}] bf16, {raw_bytes / 1e6:.0f} MB raw", flush=True)  # fmt: skip
+    factories: dict[str, Callable[[Path], Contender]] = {
+        "hsstore": lambda p: Hsstore(p, samples, "blosc-zstd"),
+        "hsstore-none": lambda p: Hsstore(p, samples, "none"),
+        "lance": lambda p: LanceRows(p, samples),
+        "mds": lambda p: MosaicMDS(p, samples),
+        "safetensors": lambda p: SafetensorsFiles(p, samples),
+        "torchsave": lambda p: TorchSaveFiles(p, samples),
+        "zarr": lambda p: ZarrPython(p, samples),
+    }
+    results: dict[str, Result] = {}
+    for key in ["hsstore", "hsstore-none", *peers]:
+        results[key] = measure(factories[key](work / f"{name}-{key}"), raw_bytes, args.repeats, 1)
+        if key != "hsstore" and key != "hsstore-none":
+            shutil.rmtree(work / f"{name}-{key}")
+    results["hsstore"].extra["loader 1 thread"] = loader_gb_s(
+        work / f"{name}-hsstore", args.repeats
+    )
+    results["hsstore-none"].extra["loader 1 thread"] = loader_gb_s(
+        work / f"{name}-hsstore-none", args.repeats
+    )
+    print(f"{'contender':40s} {'ratio':>6s} {'write/CPU-s':>11s} {'seq':>6s} {'rand':>6s} "
+          f"{'cold rand':>9s}  (GB/s)")  # fmt: skip
+    for r in results.values():
+        extra = "  ".join(f"{k} {v:.2f}" for k, v in r.extra.items())
+        print(f"{r.name:40s} {r.ratio:6.3f} {r.write_gb_s_cpu:11.2f} {r.seq:6.2f} {r.rand:6.2f} "
+              f"{r.cold_rand:9.2f}  {extra}", flush=True)  # fmt: skip
+    return results
+
+
+def figures(res: dict[str, Result], small: bool) -> dict[str, float]:
+    hs, none = res["hsstore"], res["hsstore-none"]
+    peers = [r for k, r in res.items() if not k.startswith("hsstore")]
+    compressed = [res[k] for k in COMPRESSED_PEERS if k in res] + (
+        [res["mds"]] if "mds" in res else []
+    )
+    readers = [res[k] for k in COMPRESSED_PEERS if k in res]
+    best = max((r.ratio for r in peers), default=math.nan)
+    return {
+        "ratio_vs_best_peer": hs.ratio / best,
+        "write_vs_best_compressed_peer": hs.write_gb_s_cpu
+        / max((r.write_gb_s_cpu for r in compressed), default=math.nan),
+        "rand_vs_seq_small": hs.rand / hs.seq if small else math.nan,
+        "rand_vs_best_compressed_peer": hs.rand / max((r.rand for r in readers), default=math.nan),
+        "cold_rand_zstd_vs_none": hs.cold_rand / none.cold_rand,
+        "loader_small_vs_seq": none.extra["loader 1 thread"] / none.seq if small else math.nan,
+        "decode_gb_s_per_core": hs.extra["loader 1 thread"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--synthetic-mb", type=float, default=384, help="synthetic states, MB")
+    ap.add_argument("--real-samples", type=int, default=300, help="MiniLM samples (<=256 tokens)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {PEERS}, or none")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="small data, one repeat")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.synthetic_mb, args.real_samples, args.repeats = 64, 60, 1
+    peers = [] if args.peers == "none" else [p for p in args.peers.split(",") if p]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        ap.error(f"unknown peers {unknown}; choose from {PEERS}")
+    torch.set_num_threads(1)
+    work = Path(tempfile.mkdtemp(prefix="hsstore-peers-", dir=args.workdir))
+    try:
+        per_set = [
+            figures(race("synthetic", synthetic(args), peers, args, work), small=False),
+            figures(race("minilm", real(args), peers, args, work), small=True),
+        ]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    # The worse data set for each figure (C and F exist for the small samples only).
+    final = {k: min((f[k] for f in per_set if not math.isnan(f[k])), default=math.nan)
+             for k in per_set[0]}  # fmt: skip
+    print()
+    print(" ".join(f"{k}={v:.2f}" for k, v in final.items()))
+    return final
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
