@@ -63,12 +63,15 @@ class ReferenceStats:
 
 
 def hostile_sample(g: torch.Generator, t: int, dtype: torch.dtype) -> torch.Tensor:
-    """LLM-like states with whole zero / -0.0 rows, scattered NaN and +-Inf, huge and tiny values."""
+    """LLM-like states: whole zero, -0.0, negative-only and positive-only rows, scattered +-NaN,
+    +-Inf and -0.0, huge and tiny values."""
     x = llm_like_states(
         t, 3, 96, dtype=torch.float32, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))
     )
     x *= torch.exp2(torch.randint(-30, 30, (t, 3, 1), generator=g).float())
     pick = torch.rand(t, 3, generator=g)
+    x[pick > 0.9] = -x[pick > 0.9].abs()  # rows of negative values only
+    x[pick > 0.97] = x[pick > 0.97].abs()  # and of positive values only
     x[pick < 0.08] = 0.0
     x[(pick >= 0.08) & (pick < 0.12)] = -0.0
     cells = torch.rand(t, 3, 96, generator=g)
@@ -76,6 +79,7 @@ def hostile_sample(g: torch.Generator, t: int, dtype: torch.dtype) -> torch.Tens
     x[(cells >= 0.002) & (cells < 0.003)] = float("inf")
     x[(cells >= 0.003) & (cells < 0.004)] = -float("inf")
     x[(cells >= 0.004) & (cells < 0.01)] = -0.0
+    x[(cells >= 0.01) & (cells < 0.011)] = -float("nan")  # sign bit set
     return x.to(dtype)
 
 
