@@ -238,7 +238,7 @@ class LanceRows(Contender):
 
 def import_mds():
     """MDSWriter and StreamingDataset without `streaming/__init__.py`, which imports its
-    vision datasets and so torchvision (streaming/__init__.py:6 in mosaicml-streaming 0.13.0);
+    vision datasets and so torchvision (streaming/__init__.py:8 in mosaicml-streaming 0.13.0);
     torchvision is not installed, since its wheels pull a CUDA torch."""
     import importlib.util
     import types
