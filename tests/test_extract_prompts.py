@@ -9,13 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
 from hsstore.extract.batching import parse_shard, plan_batches
 from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
 from hsstore.extract.layer_select import eagle3_aux_layers, parse_layers
 from hsstore.extract.prompts import Prompt, SkippedRow, read_prompts
 from hsstore.format import conventions
-from tools.tiny_model import build_tiny_model
 
 CHAT = {
     "messages": [

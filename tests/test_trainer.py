@@ -18,10 +18,10 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.demo_model import build_tiny_model
 from hsstore.trainers.eagle3.checkpoint import load_drafter
 from hsstore.trainers.eagle3.model import TargetHead, load_target_tensors
 from hsstore.trainers.eagle3.train import main
-from tools.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_LAYERS, HIDDEN, VOCAB = 4, 64, 512
