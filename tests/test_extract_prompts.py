@@ -106,7 +106,8 @@ def test_txt_and_datasets_dirs(tmp_path):
         json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
     )
     got = list(read_prompts(hf_dir))
-    assert [getattr(r, "text", None) for r in got[:2]] == ["one", "two"]
+    assert all(isinstance(r, Prompt) for r in got[:2])
+    assert [r.text for r in got[:2] if isinstance(r, Prompt)] == ["one", "two"]
     assert isinstance(got[2], SkippedRow)
 
     pq_dir = tmp_path / "pq"
