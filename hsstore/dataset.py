@@ -217,6 +217,8 @@ class Dataset:
         # Where the dataset lives, as given: a local path or a URL.
         self.path: str = self.storage.root
         self.verify_reads = verify_reads
+        self._readers: list[SegmentReader] = []
+        self._tables: list[pa.Table] = []
         self._load(
             manifest if manifest is not None else commit.load_manifest(self.storage, version)
         )
@@ -225,8 +227,7 @@ class Dataset:
         # Segments are immutable and a newer version only appends to an older one: on
         # refresh, keep the readers (and their decoded indexes and caches) of segments already
         # loaded and read only the new ones; the joined index is rebuilt when next used.
-        readers: list[SegmentReader] = getattr(self, "_readers", [])
-        tables: list[pa.Table] = getattr(self, "_tables", [])
+        readers, tables = self._readers, self._tables
         n = len(readers)
         # Segment ids are unique and append-only: the same n-th id means the same first n.
         if n and (len(manifest.segments) < n or manifest.segments[n - 1].id != readers[-1].info.id):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import hsstore
+from hsstore.demo_model import build_tiny_model
 from hsstore.extract.writer_thread import STALL_ENV
-from tools.tiny_model import build_tiny_model
 
 N_ROWS = 24
 WORDS = [

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hsstore
+from hsstore.demo_model import build_tiny_model
 from hsstore.extract.runner import ExtractOptions, run_extract
-from tools.tiny_model import build_tiny_model
 
 N_LAYERS = 4
 MESSAGES = [

@@ -9,13 +9,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
 from hsstore.extract.batching import parse_shard, plan_batches
 from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
 from hsstore.extract.layer_select import eagle3_aux_layers, parse_layers
 from hsstore.extract.prompts import Prompt, SkippedRow, read_prompts
 from hsstore.format import conventions
-from tools.tiny_model import build_tiny_model
 
 CHAT = {
     "messages": [
@@ -106,7 +106,8 @@ def test_txt_and_datasets_dirs(tmp_path):
         json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
     )
     got = list(read_prompts(hf_dir))
-    assert [getattr(r, "text", None) for r in got[:2]] == ["one", "two"]
+    assert all(isinstance(r, Prompt) for r in got[:2])
+    assert [r.text for r in got[:2] if isinstance(r, Prompt)] == ["one", "two"]
     assert isinstance(got[2], SkippedRow)
 
     pq_dir = tmp_path / "pq"

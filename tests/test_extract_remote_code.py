@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from tools.tiny_model import build_tiny_model
+from hsstore.demo_model import build_tiny_model
 
 CONFIG_CODE = """from transformers import LlamaConfig
 

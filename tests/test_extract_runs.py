@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from tools.tiny_model import build_tiny_model
+from hsstore.demo_model import build_tiny_model
 
 ROWS = [
     {

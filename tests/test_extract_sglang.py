@@ -17,6 +17,7 @@ import torch
 from sglang_fake import FakeSGLangEngine, counted, factory
 
 import hsstore
+from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
 from hsstore.extract.chat_tokens import TokenizedPrompt
 from hsstore.extract.runner import ExtractOptions, WorkerFailedError, run_extract
@@ -28,7 +29,6 @@ from hsstore.extract.sglang_backend import (
     rows_from_response,
 )
 from hsstore.format.layers import LayerSpec
-from tools.tiny_model import build_tiny_model
 
 N = 6
 # Model classes of the wheel with each capture rule, including the ones issue 10 is about.

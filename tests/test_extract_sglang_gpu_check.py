@@ -13,7 +13,7 @@ from tools.gpu_check_sglang import CHUNK, build_check_models, chat_tokens, chunk
 
 
 def test_chunked_prefill_prompt_is_several_chunks_and_fits_the_context(tmp_path):
-    from tools.tiny_model import build_tiny_model
+    from hsstore.demo_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "m")
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -18,9 +18,9 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.demo_model import build_tiny_model
 from hsstore.errors import HsstoreError
 from hsstore.loader import Loader
-from tools.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"

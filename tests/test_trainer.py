@@ -18,10 +18,10 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.demo_model import build_tiny_model
 from hsstore.trainers.eagle3.checkpoint import load_drafter
 from hsstore.trainers.eagle3.model import TargetHead, load_target_tensors
 from hsstore.trainers.eagle3.train import main
-from tools.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_LAYERS, HIDDEN, VOCAB = 4, 64, 512
@@ -207,3 +207,26 @@ def test_command_line_prints_progress_and_a_final_json_line(tiny, tmp_path):
     summary = json.loads(lines[-1])
     for key in ("loss_first", "loss_last", "acc_first", "acc_last", "data_wait_frac"):
         assert isinstance(summary[key], float), key
+
+
+@pytest.mark.parametrize("broken", ["dataset", "target"])
+def test_command_line_reports_bad_input_in_one_line(tiny, tmp_path, broken):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text((Path(tiny["model_dir"]) / "config.json").read_text())
+    weights = next(Path(tiny["model_dir"]).glob("*.safetensors")).read_bytes()
+    (target / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # truncated copy
+    args = base_args(tiny, tmp_path / "cli", 2)
+    if broken == "dataset":
+        args[args.index("--data") + 1] = str(tmp_path / "no-such-dataset")
+        named = tmp_path / "no-such-dataset"
+    else:
+        args += ["--target", str(target)]
+        named = target / "model.safetensors"
+    cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(named) in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -119,7 +119,7 @@ def build_check_models(work: Path, *, hidden: int = 512, layers: int = 6) -> dic
     import torch
     from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3Config
 
-    from tools.tiny_model import build_tiny_model
+    from hsstore.demo_model import build_tiny_model
 
     heads = max(1, hidden // 64)
     llama = build_tiny_model(work / "llama", hidden=hidden, layers=layers, vocab=512, heads=heads)

@@ -145,7 +145,7 @@ class ForeignSource(AuditSource):
         self.hidden_size = reader.hidden_size
         self.dtype = str(reader.dtype).removeprefix("torch.")
         self.model = dict(reader.model or {})
-        self._ids = reader.sample_ids() if hasattr(reader, "sample_ids") else reader.names()
+        self._ids = reader.sample_ids()
 
     def __len__(self) -> int:
         return len(self.reader)

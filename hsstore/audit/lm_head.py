@@ -13,13 +13,13 @@ model. Two measurements follow:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hsstore.errors import BadInputError
+from hsstore.model_folder import ModelFolder
 
 _NORM_NAMES = (
     "model.norm",
@@ -97,74 +97,24 @@ class OutputHead:
         return z.pow(2).mean(dim=-1).sqrt()
 
 
-def _read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise BadInputError(
-            "no config.json: not a Hugging Face model directory", path=str(model_dir)
-        )
-    try:
-        cfg = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"config.json is not valid JSON ({exc})", path=str(path)) from None
-    return cfg
-
-
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """Map tensor name -> safetensors file, from the shard index or the single file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (KeyError, ValueError) as exc:
-            raise BadInputError(f"unreadable shard index ({exc})", path=str(index)) from None
-        return {k: model_dir / v for k, v in weight_map.items()}
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise BadInputError("no *.safetensors weights in the model directory", path=str(model_dir))
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            out.update(dict.fromkeys(st.keys(), f))
-    return out
-
-
-def _get(files: dict[str, Path], name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    path = files[name]
-    try:
-        with safe_open(str(path), framework="pt") as st:
-            return st.get_tensor(name)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise BadInputError(f"cannot read tensor {name} ({exc})", path=str(path)) from None
-
-
 def load_output_head(model_dir: str | Path) -> OutputHead:
     """Load only the final norm and the output projection of a local HF model directory."""
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise BadInputError("model directory does not exist", path=str(root))
-    cfg = _read_config(root)
-    text_cfg = cfg.get("text_config") or cfg
-    files = _weight_files(root)
-    norm = next((n for n in _NORM_NAMES if f"{n}.weight" in files), None)
+    folder = ModelFolder(model_dir)
+    root, text_cfg = folder.root, folder.text_config
+    norm = next((n for n in _NORM_NAMES if f"{n}.weight" in folder), None)
     if norm is None:
         raise BadInputError("no final norm weight (e.g. model.norm.weight) found", path=str(root))
-    head_name = next((n for n in _HEAD_NAMES if n in files), None)
+    head_name = folder.first(_HEAD_NAMES)
     tied = head_name is None
     if tied:
-        head_name = next((n for n in _EMBED_NAMES if n in files), None)
+        head_name = folder.first(_EMBED_NAMES)
         if head_name is None:
             raise BadInputError("neither lm_head.weight nor a tied embedding found", path=str(root))
-    weight = _get(files, head_name)
-    norm_weight = _get(files, f"{norm}.weight").float()
-    model_type = str(text_cfg.get("model_type") or cfg.get("model_type") or "")
-    if any(model_type.startswith(m) for m in _OFFSET_NORM_MODELS):
+    weight = folder.tensor(head_name)
+    norm_weight = folder.tensor(f"{norm}.weight").float()
+    if any(folder.model_type.startswith(m) for m in _OFFSET_NORM_MODELS):
         norm_weight = norm_weight + 1.0
-    bias = _get(files, f"{norm}.bias").float() if f"{norm}.bias" in files else None
+    bias = folder.tensor(f"{norm}.bias").float() if f"{norm}.bias" in folder else None
     eps = next((float(text_cfg[k]) for k in _EPS_KEYS if k in text_cfg), 1e-6)
     layer_norm = bias is not None or "ln_f" in norm or "final_layer_norm" in norm
     if weight.dim() != 2 or norm_weight.shape != (weight.shape[1],):

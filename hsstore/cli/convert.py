@@ -12,8 +12,6 @@ import click
 from hsstore.cli._common import emit_json, handle_errors
 from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, HSSTORE
 
-FORMATS = ALL_FORMATS
-
 
 def _parse_ids(value: str | None) -> list[int] | None:
     if value is None:
@@ -28,7 +26,10 @@ def _parse_ids(value: str | None) -> list[int] | None:
 @click.argument("src", type=str)
 @click.argument("dst", type=str)
 @click.option(
-    "--from", "src_format", type=click.Choice(FORMATS), help="Source format (default: detected)."
+    "--from",
+    "src_format",
+    type=click.Choice(ALL_FORMATS),
+    help="Source format (default: detected).",
 )
 @click.option(
     "--to",

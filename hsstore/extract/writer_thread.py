@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +37,6 @@ class WriterStats:
     commits: int = 0
     busy_s: float = 0.0  # time spent in add/commit
     stall_s: float = 0.0  # time the producer waited on a full queue
-    skipped_recorded: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class WriterThread:
@@ -99,7 +97,6 @@ class WriterThread:
             with self.ds.writer(encode_threads=self.encode_threads) as w:
                 for name, reason in self.skipped:
                     w.record_skipped(name, reason)
-                    self.stats.skipped_recorded += 1
                 pending = 0
                 last_commit = time.monotonic()
                 while True:

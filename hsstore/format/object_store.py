@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
@@ -97,7 +96,6 @@ class ObjectStorage(Storage):
             # streamed GET): short reads, decoded and hashed while still in CPU cache.
             self.coalesce_bytes = 0
         self._pid = os.getpid()
-        self._cache_lock = threading.Lock()
 
     # -- errors ----------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], T]) -> T:

@@ -11,15 +11,13 @@ and Mistral families share. Gemma's ``(1 + weight)`` variant is refused rather t
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from hsstore.errors import BadInputError
+from hsstore.model_folder import ModelFolder
 
 # Where causal LMs keep the final norm, most common first (text models, then VLM wrappers).
 _NORM_KEYS = (
@@ -45,18 +43,9 @@ class FinalNorm:
 
 def load_final_norm(model_dir: str | os.PathLike, *, hidden_size: int) -> FinalNorm:
     """Read the final norm of the model in ``model_dir``, or BadInputError naming what is missing."""
-    root = Path(model_dir)
-    config_path = root / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise BadInputError(
-            "no config.json (expected a Hugging Face model folder)", path=str(root)
-        ) from None
-    except (json.JSONDecodeError, OSError) as exc:
-        raise BadInputError(f"unreadable config.json ({exc})", path=str(config_path)) from None
-    text = config.get("text_config") or config
-    if str(text.get("model_type", config.get("model_type", ""))).startswith("gemma"):
+    folder = ModelFolder(model_dir)
+    root, text = folder.root, folder.text_config
+    if folder.model_type.startswith("gemma"):
         raise BadInputError(
             "Gemma's final norm scales by (1 + weight); applying it is not supported",
             path=str(root),
@@ -66,7 +55,13 @@ def load_final_norm(model_dir: str | os.PathLike, *, hidden_size: int) -> FinalN
         raise BadInputError(
             "config.json has no rms_norm_eps (not an RMSNorm model?)", path=str(root)
         )
-    weight, where = _read_norm_weight(root)
+    key = folder.first(_NORM_KEYS)
+    if key is None:
+        raise BadInputError(
+            f"no final norm weight ({' or '.join(_NORM_KEYS)}) in the model's safetensors files",
+            path=str(root),
+        )
+    weight, where = folder.tensor(key), folder.where(key)
     if list(weight.shape) != [hidden_size]:
         raise BadInputError(
             f"final norm weight has shape {list(weight.shape)}, but the dataset's hidden size "
@@ -75,26 +70,3 @@ def load_final_norm(model_dir: str | os.PathLike, *, hidden_size: int) -> FinalN
         )
     n = text.get("num_hidden_layers")
     return FinalNorm(weight, float(eps), int(n) if isinstance(n, int) else None, where)
-
-
-def _read_norm_weight(root: Path) -> tuple[torch.Tensor, str]:
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, OSError) as exc:
-            raise BadInputError(f"unreadable safetensors index ({exc})", path=str(index)) from None
-        candidates = [(k, root / weight_map[k]) for k in _NORM_KEYS if k in weight_map]
-    else:
-        candidates = [(k, f) for f in sorted(root.glob("*.safetensors")) for k in _NORM_KEYS]
-    for key, file in candidates:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                if key in set(f.keys()):
-                    return f.get_tensor(key), f"{file}:{key}"
-        except (SafetensorError, OSError) as exc:
-            raise BadInputError(f"unreadable safetensors file ({exc})", path=str(file)) from None
-    raise BadInputError(
-        f"no final norm weight ({' or '.join(_NORM_KEYS)}) in the model's safetensors files",
-        path=str(root),
-    )

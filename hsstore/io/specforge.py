@@ -33,7 +33,6 @@ from hsstore.io.base import (
     check_tokens,
     file_index,
     int_view,
-    load_torch_file,
     natural_key,
     require_dir,
     require_keys,
@@ -41,6 +40,7 @@ from hsstore.io.base import (
     unique_stems,
 )
 from hsstore.io.final_norm import FinalNorm
+from hsstore.io.safe_load import load_torch_file
 
 FORMAT = "specforge"
 SUFFIXES = (".ckpt", ".ckpt.gz")

@@ -44,14 +44,13 @@ from hsstore.io.base import (  # noqa: F401 (atomic_write, write_json: this modu
     check_tokens,
     dtype_name,
     file_index,
-    load_torch_file,
-    open_regular,
     require_dir,
     require_keys,
     stack_layers,
     unique_stems,
     write_json,
 )
+from hsstore.io.safe_load import load_torch_file, open_regular
 
 FORMAT = "speculators-v1"
 CONFIG_FILE = "data_config.json"

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
@@ -322,8 +321,3 @@ class HiddenStateDataset(Dataset):
         if self.choice.verifier is not None:
             out["verifier_last_hidden_states"] = hidden[:, k]
         return out
-
-
-def as_numpy_positions(batch: dict[str, torch.Tensor]) -> np.ndarray:
-    """Storage positions of the samples in a collated batch (for logging and checks)."""
-    return batch["sample_index"].cpu().numpy()

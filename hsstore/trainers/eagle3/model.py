@@ -16,7 +16,6 @@ see docs/TRAINER.md) so a checkpoint from this trainer serves without renaming.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hsstore.errors import BadInputError
+from hsstore.model_folder import ModelFolder
 
 
 @dataclass
@@ -266,33 +268,19 @@ def load_target_tensors(model_dir: str | Path, want: tuple[str, ...] = ("embed",
     Returns (tensors: dict kind -> tensor, config: dict). Never loads the decoder layers, so a
     70B target costs a few hundred MB here, not its full size.
     """
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config = config.get("text_config", config)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                weight_map.update(dict.fromkeys(fh.keys(), f.name))
+    folder = ModelFolder(model_dir)
     candidates = {"embed": _EMBED_KEYS, "norm": _NORM_KEYS, "head": _HEAD_KEYS}
-    if "head" in want and not any(k in weight_map for k in _HEAD_KEYS):
+    if "head" in want and folder.first(_HEAD_KEYS) is None:
         candidates["head"] = _EMBED_KEYS  # tied embeddings: the head is the embedding matrix
     out = {}
     for kind in want:
-        key = next((k for k in candidates[kind] if k in weight_map), None)
+        key = folder.first(candidates[kind])
         if key is None:
-            raise KeyError(f"{model_dir}: none of {candidates[kind]} in the checkpoint")
-        with safe_open(str(model_dir / weight_map[key]), framework="pt") as fh:
-            out[kind] = fh.get_tensor(key)
-    return out, config
+            raise BadInputError(
+                f"none of {candidates[kind]} in the checkpoint", path=str(folder.root)
+            )
+        out[kind] = folder.tensor(key)
+    return out, folder.text_config
 
 
 def drafter_config_from_target(
