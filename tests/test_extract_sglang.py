@@ -88,6 +88,20 @@ def prompts(tmp_path_factory):
     return path
 
 
+def sglang_options(tiny, prompts, out, engine_factory, **extra) -> ExtractOptions:
+    """Options for a run of the SGLang backend on the fake engine (float32, no progress)."""
+    return ExtractOptions(
+        model=str(tiny),
+        data=str(prompts),
+        out=str(out),
+        backend="sglang",
+        dtype="float32",
+        progress=False,
+        backend_options={"engine_factory": engine_factory},
+        **extra,
+    )
+
+
 def test_one_engine_with_the_wheels_server_arguments(tiny):
     layers = [LayerSpec(2), LayerSpec(3), LayerSpec(5), LayerSpec(N, final_norm=True)]
     backend = SGLangBackend(str(tiny), layers, engine_factory=factory(), dtype="float32")
@@ -132,16 +146,7 @@ def test_requested_depths_stored_under_every_rule(tiny, every_depth, architectur
 def test_eagle3_final_is_one_engine_and_one_forward_per_batch(tiny, prompts, tmp_path):
     counts = tmp_path / "counts"
     summary = run_extract(
-        ExtractOptions(
-            model=str(tiny),
-            data=str(prompts),
-            out=str(tmp_path / "ds"),
-            backend="sglang",
-            dtype="float32",
-            batch_size=2,
-            progress=False,
-            backend_options={"engine_factory": factory(counts=str(counts))},
-        )
+        sglang_options(tiny, prompts, tmp_path / "ds", factory(counts=str(counts)), batch_size=2)
     )
     assert summary["layers"] == ["after 2", "after 3", "after 6 +final_norm"]  # eagle3,final
     assert summary["samples_written"] == 3
@@ -178,15 +183,7 @@ def test_adapter_matches_transformers_backend(tiny, prompts, tmp_path):
 def test_closing_the_engine_never_takes_down_the_parent(tiny, prompts, tmp_path):
     # the fake's shutdown SIGKILLs the process that holds the engine, as SGLang's can
     summary = run_extract(
-        ExtractOptions(
-            model=str(tiny),
-            data=str(prompts),
-            out=str(tmp_path / "ds"),
-            backend="sglang",
-            dtype="float32",
-            progress=False,
-            backend_options={"engine_factory": factory(faults={"kill_on_shutdown": True})},
-        )
+        sglang_options(tiny, prompts, tmp_path / "ds", factory(faults={"kill_on_shutdown": True}))
     )
     assert summary["samples_written"] == 3
     assert len(hsstore.open(tmp_path / "ds")) == 3
@@ -194,18 +191,9 @@ def test_closing_the_engine_never_takes_down_the_parent(tiny, prompts, tmp_path)
 
 def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, prompts, tmp_path):
     out = tmp_path / "ds"
-    opts = dict(
-        model=str(tiny),
-        data=str(prompts),
-        out=str(out),
-        backend="sglang",
-        dtype="float32",
-        batch_size=8,
-        progress=False,
-    )
     die = factory(faults={"die_once_file": str(tmp_path / "died")})
     with pytest.raises(WorkerFailedError) as exc:
-        run_extract(ExtractOptions(**opts, backend_options={"engine_factory": die}))
+        run_extract(sglang_options(tiny, prompts, out, die, batch_size=8))
     message = str(exc.value)
     assert "died (exit code 17)" in message
     from transformers import AutoTokenizer
@@ -217,7 +205,7 @@ def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, promp
     for prompt in read_prompts(prompts):
         assert chat.encode(prompt).sample_id in message
     assert len(hsstore.open(out)) == 0
-    summary = run_extract(ExtractOptions(**opts, backend_options={"engine_factory": die}))
+    summary = run_extract(sglang_options(tiny, prompts, out, die, batch_size=8))
     assert summary["samples_written"] == 3
 
 
@@ -346,53 +334,26 @@ def test_failure_mid_run_keeps_earlier_batches_and_resumes(tiny, prompts, tmp_pa
     encoded = [chat.encode(p) for p in read_prompts(prompts)]
     shortest = min(encoded, key=lambda p: p.num_tokens)  # batches run longest first
     out = tmp_path / "ds"
-    opts = dict(
-        model=str(tiny),
-        data=str(prompts),
-        out=str(out),
-        backend="sglang",
-        dtype="float32",
-        layers="2,final",
-        batch_size=1,
-        commit_every=1000,
-        progress=False,
-    )
+    opts = dict(layers="2,final", batch_size=1, commit_every=1000)
     bad = factory(faults={"truncate_rows": 1, "truncate_len": shortest.num_tokens})
     with pytest.raises(WorkerFailedError, match="truncated") as exc:
-        run_extract(ExtractOptions(**opts, backend_options={"engine_factory": bad}))
+        run_extract(sglang_options(tiny, prompts, out, bad, **opts))
     assert shortest.sample_id in str(exc.value)
     ds = hsstore.open(out)
     assert sorted(ds.sample_ids) == sorted(p.sample_id for p in encoded if p is not shortest)
-    summary = run_extract(ExtractOptions(**opts, backend_options={"engine_factory": factory()}))
+    summary = run_extract(sglang_options(tiny, prompts, out, factory(), **opts))
     assert summary["samples_already_present"] == 2 and summary["samples_written"] == 1
     assert shortest.sample_id in hsstore.open(out)
 
 
 def test_check_against_transformers_passes_and_catches_a_wrong_layer(tiny, prompts, tmp_path):
-    common = dict(
-        model=str(tiny),
-        data=str(prompts),
-        backend="sglang",
-        dtype="float32",
-        layers="1,2,3,final",
-        limit=2,
-        progress=False,
-        check_against="transformers",
-    )
-    good = run_extract(
-        ExtractOptions(
-            out=str(tmp_path / "ok"), backend_options={"engine_factory": factory()}, **common
-        )
-    )
+    common = dict(layers="1,2,3,final", limit=2, check_against="transformers")
+    good = run_extract(sglang_options(tiny, prompts, tmp_path / "ok", factory(), **common))
     check = good["check"]
     assert check["ok"] and check["samples"] == 2 and check["problems"] == []
     assert max(check["max_rel_err"]) < 1e-4
     wrong = factory(faults={"wrong_layer": True})
-    bad = run_extract(
-        ExtractOptions(
-            out=str(tmp_path / "bad"), backend_options={"engine_factory": wrong}, **common
-        )
-    )["check"]
+    bad = run_extract(sglang_options(tiny, prompts, tmp_path / "bad", wrong, **common))["check"]
     assert not bad["ok"]
     assert any("after 2: " in p and "a wrong layer?" in p for p in bad["problems"])
 
