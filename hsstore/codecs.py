@@ -1,21 +1,38 @@
 """Chunk codecs: the lossless, bf16-aware choice and its Zarr v3 description.
 
-A chunk goes through ``bytes (little endian) -> [blosc] -> crc32c``. Blosc with zstd level 1 and
-byte shuffle (typesize 2 for bf16) groups the high bytes of every value (sign + exponent, which
-are highly repetitive in activations) apart from the noisy low mantissa bytes; that is where
-the ~1.45x on real activations comes from. The trailing crc32c lets any reader detect a flipped
-byte before decoding. Both are standard Zarr v3 codecs, so zarr-python opens the arrays as-is;
-hsstore's own hot path encodes and decodes them directly (no per-call zarr overhead).
+A chunk goes through ``bytes (little endian) -> [blosc] -> crc32c``; both are standard Zarr v3
+codecs, so zarr-python opens the arrays as-is, while hsstore's hot path encodes and decodes the
+frames directly (no per-call zarr overhead). The trailing crc32c lets any reader detect a
+flipped byte before decoding.
+
+Where the compression comes from: in bf16 activations only the high byte of each value (sign
+and exponent) is predictable; the low byte is mantissa noise. Blosc's byte shuffle puts the
+high bytes of a chunk together, apart from the low bytes.
+
+- ``split-zstd`` (the default) writes each chunk as one blosc block whose byte streams are
+  stored apart ("split" blocks, as blosc itself writes them for lz4): each stream is zstd-coded
+  with parameters that leave out match search (the exponent stream is order-0 entropy, which
+  Huffman coding captures; match search costs decode time and wins nothing), and a stream that
+  does not shrink by 1/16 (the mantissa noise) is stored raw, which blosc's decoder copies.
+  So decoding is one entropy decode of half the bytes, a copy and an unshuffle: ~3.5 GB/s per
+  core against ~2.5 for ``blosc-zstd``, at a slightly better ratio. The frames are ordinary
+  blosc frames: c-blosc (and so zarr-python) decodes them with no knowledge of how they were
+  made (c-blosc 1.x ``blosc.c``, ``blosc_d``: a split whose compressed size equals its size is
+  copied, any other is zstd-decoded).
+- ``blosc-zstd``: c-blosc's own encoder, zstd level 1 over the whole shuffled block.
+- ``none``: raw bytes (+ crc32c).
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
+import zstandard
 from numcodecs import blosc as _blosc
 
 from hsstore.errors import FormatError, IntegrityError
@@ -23,10 +40,22 @@ from hsstore.errors import FormatError, IntegrityError
 # We run our own thread pools; blosc's internal threads would fight them for the two cores.
 _blosc.use_threads = False
 
-CODEC_NAMES = ("blosc-zstd", "blosc-lz4", "none")
+CODEC_NAMES = ("split-zstd", "blosc-zstd", "blosc-lz4", "none")
+DEFAULT_CODEC = "split-zstd"
 # Blosc 1 frame header: version, versionlz, flags, typesize, nbytes (decoded), blocksize, cbytes.
 _BLOSC_HEADER = struct.Struct("<BBBBIII")
 _SHUFFLE_IDS = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+# The frame fields of a split-zstd chunk, as c-blosc 1.x writes them (blosc.h): format version
+# 2, zstd format version 1; flags: byte shuffle 0x1, "blocks not split" 0x10, compressor
+# format in bits 5-7 (zstd = 4).
+_BLOSC_VERSION_FORMAT, _BLOSC_ZSTD_VERSION_FORMAT = 2, 1
+_FLAG_SHUFFLE, _FLAG_DONT_SPLIT, _ZSTD_FORMAT_FLAGS = 0x01, 0x10, 4 << 5
+# c-blosc splits a block into typesize streams only when each stream has at least this many
+# bytes (MIN_BUFFERSIZE); a smaller chunk is written as one stream.
+_MIN_SPLIT_BYTES = 128
+# zstd for entropy coding only: the shortest window and hash, and matches of 7+ bytes (which
+# never occur in exponent streams), so nearly all of the stream becomes Huffman-coded literals.
+_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=6, window_log=17)
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -38,7 +67,7 @@ def crc32c(data: Any, value: int = 0) -> int:
 class CodecConfig:
     """How state chunks are compressed. ``name == "none"`` stores raw bytes (+ crc32c)."""
 
-    name: str = "blosc-zstd"
+    name: str = DEFAULT_CODEC
     clevel: int = 1
     shuffle: str = "shuffle"
     # One blosc block per ~1 MiB chunk: blosc's automatic choice (blocksize 0) picks small
@@ -57,7 +86,8 @@ class CodecConfig:
 
     @property
     def cname(self) -> str:
-        return self.name.split("-", 1)[1]
+        """The blosc compressor name of the frames."""
+        return "zstd" if self.name == "split-zstd" else self.name.split("-", 1)[1]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,10 +139,20 @@ class ChunkCodec:
         self.config = config
         self.itemsize = itemsize
         self._shuffle = _SHUFFLE_IDS[config.shuffle]
+        self._zstd_params = zstandard.ZstdCompressionParameters.from_level(
+            config.clevel, **_SPLIT_ZSTD_PARAMS
+        )
+        self._local = threading.local()
 
     def encode(self, chunk: np.ndarray) -> list[bytes | memoryview]:
         """Encoded pieces of one C-contiguous chunk; written back to back they form the chunk."""
         raw = memoryview(np.ascontiguousarray(chunk)).cast("B")
+        if self.config.name == "split-zstd":
+            body_parts = self._encode_split(raw)
+            crc = 0
+            for part in body_parts:
+                crc = crc32c(part, crc)
+            return [*body_parts, struct.pack("<I", crc)]
         if self.config.compressed:
             body: bytes | memoryview = _blosc.compress(
                 raw, self.config.cname.encode(), self.config.clevel, self._shuffle,
@@ -121,6 +161,40 @@ class ChunkCodec:
         else:
             body = raw
         return [body, struct.pack("<I", crc32c(body))]
+
+    def _encode_split(self, raw: memoryview) -> list[bytes | memoryview]:
+        """One blosc frame of one block whose byte streams are coded apart (module docstring).
+
+        Thread-safe: a zstd context per thread (the writer encodes in a pool).
+        """
+        nbytes, k = len(raw), self.itemsize
+        split = k > 1 and nbytes // k >= _MIN_SPLIT_BYTES
+        flags = _ZSTD_FORMAT_FLAGS | (_FLAG_SHUFFLE if k > 1 else 0)
+        values = np.frombuffer(raw, dtype=np.uint8)
+        if split:
+            # Byte b of every value, for b = 0 .. k-1: the streams blosc's unshuffle interleaves.
+            # (A strided slice copy runs ~3x faster than a column of a [n, k] view.)
+            streams = [values[b::k].copy() for b in range(k)]
+        else:
+            flags |= _FLAG_DONT_SPLIT
+            streams = [np.concatenate([values[b::k] for b in range(k)]) if k > 1 else values]
+        zstd = getattr(self._local, "zstd", None)
+        if zstd is None:
+            zstd = self._local.zstd = zstandard.ZstdCompressor(compression_params=self._zstd_params)
+        parts: list[bytes | memoryview] = []
+        for stream in streams:
+            size = stream.nbytes
+            packed = zstd.compress(stream) if size else b""
+            # Raw unless zstd saves 1/16: raw streams decode as a copy. A packed stream of
+            # exactly ``size`` bytes would be read as raw, which the margin rules out.
+            body: bytes | memoryview = packed if len(packed) < size - size // 16 else stream.data
+            parts += [struct.pack("<i", len(body)), body]
+        cbytes = _BLOSC_HEADER.size + 4 + sum(len(p) for p in parts)
+        header = _BLOSC_HEADER.pack(
+            _BLOSC_VERSION_FORMAT, _BLOSC_ZSTD_VERSION_FORMAT, flags, k, nbytes, nbytes, cbytes
+        )
+        # One block: its start offset (bstarts[0]) follows the header.
+        return [header + struct.pack("<i", _BLOSC_HEADER.size + 4), *parts]
 
     def check(self, encoded: memoryview, nbytes: int, *, what: str) -> memoryview:
         """Check the crc32c of ``encoded`` and that it decodes to exactly ``nbytes`` (the size

@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from hsstore import fp8
-from hsstore.codecs import CodecConfig
+from hsstore.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.errors import (
     BadInputError,
     ConflictError,
@@ -83,14 +83,19 @@ def create(
     dtype: torch.dtype | str,
     model: ModelInfo | Mapping[str, Any] | None = None,
     tokenizer: Mapping[str, Any] | None = None,
-    codec: str | CodecConfig = "blosc-zstd",
+    codec: str | CodecConfig = DEFAULT_CODEC,
     layers_per_chunk: int | None = None,
-    chunk_bytes: int = 1 << 20,
+    chunk_bytes: int | None = None,
     shard_bytes: int = 64 << 20,
+    sample_aligned: bool | None = None,
     provenance: Mapping[str, Any] | None = None,
     exist_ok: bool = False,
 ) -> Dataset:
     """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
+
+    ``sample_aligned`` (default: whenever the codec compresses) starts every sample at a chunk
+    boundary, so a random read decodes only its own rows; ``chunk_bytes`` defaults to ~256 KiB
+    for aligned layouts and ~1 MiB otherwise (see `Layout.choose`).
 
     ``path`` is a local path or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
     ``file://``); see docs/STORAGE.md.
@@ -136,6 +141,7 @@ def create(
         layers_per_chunk=layers_per_chunk,
         chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes,
+        sample_aligned=codec_cfg.compressed if sample_aligned is None else sample_aligned,
     )
     now = now_iso()
     man = Manifest(

@@ -142,7 +142,36 @@ class SegmentReader:
             table = index_file.read(use_threads=False)
         if not table.schema.equals(INDEX_SCHEMA, check_metadata=False):
             raise FormatError("index has an unexpected schema", path=self.where(paths.INDEX))
+        self._check_rows(table)
         return table
+
+    def _check_rows(self, table: pa.Table) -> None:
+        """Every sample's rows lie inside the segment's arrays, one after another (on chunk
+        boundaries in a sample-aligned layout): an index that points elsewhere would return
+        other samples' states, or padding, as this sample's."""
+        starts = table.column("row_offset").to_numpy()
+        lengths = table.column("num_tokens").to_numpy()
+        ends = starts + lengths
+        layout = self.manifest.layout
+        problem = None
+        if len(starts) and (starts[0] != 0 or np.any(lengths < 1)):
+            problem = "samples must start at row 0 and have at least one token"
+        elif len(starts) > 1 and np.any(starts[1:] < ends[:-1]):
+            problem = "samples overlap"
+        elif len(starts) and ends[-1] != self.info.num_rows:
+            problem = f"samples end at row {ends[-1]}, the arrays have {self.info.num_rows}"
+        elif int(lengths.sum()) != self.info.num_tokens:
+            problem = (
+                f"samples hold {int(lengths.sum())} tokens, manifest says {self.info.num_tokens}"
+            )
+        elif layout.sample_aligned and np.any(starts % layout.rows_per_chunk):
+            problem = "a sample does not start on a chunk boundary of the aligned layout"
+        elif not layout.sample_aligned and np.any(starts[1:] != ends[:-1]):
+            problem = "samples leave gaps in a layout without alignment"
+        if problem:
+            raise IntegrityError(
+                f"index rows are inconsistent: {problem}", path=self.where(paths.INDEX)
+            )
 
     def salvage_sample_ids(self) -> list[str]:
         """The sample ids a damaged index still yields (its sample_id column, if that part
@@ -173,9 +202,9 @@ class SegmentReader:
                 f"column does not decode: {exc}", path=self.where(relpath)
             ) from exc
         arr = np.frombuffer(raw, dtype=dtype)
-        if arr.shape[0] != self.info.num_tokens:
+        if arr.shape[0] != self.info.num_rows:
             raise IntegrityError(
-                f"column has {arr.shape[0]} rows, expected {self.info.num_tokens}",
+                f"column has {arr.shape[0]} rows, expected {self.info.num_rows}",
                 path=self.where(relpath),
             )
         self._columns[name] = arr
@@ -249,7 +278,7 @@ class SegmentReader:
         Never raises for damage; the result names the rows each problem affects."""
         layout = self.manifest.layout
         lo = shard * layout.rows_per_shard
-        report = ShardCheck(shard, (lo, min(lo + layout.rows_per_shard, self.info.num_tokens)))
+        report = ShardCheck(shard, (lo, min(lo + layout.rows_per_shard, self.info.num_rows)))
         relpath = paths.shard_relpath(shard)
         where = self.where(relpath)
         try:
@@ -270,7 +299,7 @@ class SegmentReader:
         rpc = layout.rows_per_chunk
         for local in range(layout.chunks_per_shard):
             c = shard * layout.chunks_per_shard + local
-            rows = (c * rpc, min((c + 1) * rpc, self.info.num_tokens))
+            rows = (c * rpc, min((c + 1) * rpc, self.info.num_rows))
             for j in range(self._n_layer_chunks):
                 offset, nbytes = (int(v) for v in idx[local, j])
                 if offset == zarr_meta.EMPTY:

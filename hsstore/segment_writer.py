@@ -95,7 +95,8 @@ class SegmentWriter:
     manifest: Manifest
     segment_id: str
     flusher: ShardFlusher
-    rows: int = 0
+    rows: int = 0  # rows of the per-token arrays so far: tokens plus alignment padding
+    tokens: int = 0
     bytes_written: int = 0
     _rows_in_buffer: int = 0
     _shards_written: int = 0
@@ -121,7 +122,7 @@ class SegmentWriter:
 
     def raw_bytes(self) -> int:
         return (
-            self.rows
+            self.tokens
             * self.manifest.num_layers
             * self.manifest.hidden_size
             * (self.manifest.storage_dtype.itemsize)
@@ -140,6 +141,8 @@ class SegmentWriter:
         its float32 [T] per-token scales (given exactly when the dtype is scaled)."""
         if (scales is not None) != self.manifest.scaled:
             raise FormatError(f"per-token scales go with a scaled dtype, not {self.manifest.dtype}")
+        # Padding first: it goes before this sample's rows in every per-token array.
+        self._pad_to(self.manifest.layout.start_row(self.rows))
         if scales is None:
             flags = self._stats.update(hidden)
         else:
@@ -157,7 +160,29 @@ class SegmentWriter:
         )
         self._input_ids.append(input_ids)
         self._loss_masks.append(loss_mask)
-        done = 0
+        self._append_rows(hidden)
+        self.tokens += t
+
+    def _pad_to(self, row: int) -> None:
+        """Zero rows up to ``row`` (a chunk boundary of a sample-aligned layout): states and
+        every column, so all per-token arrays keep one row numbering."""
+        pad = row - self.rows
+        if not pad:
+            return
+        # A shard holds whole chunks, so padding up to a chunk boundary stays in this shard.
+        buf = self.flusher.buffer()
+        buf[self._rows_in_buffer : self._rows_in_buffer + pad] = 0
+        self._rows_in_buffer += pad
+        self.rows += pad
+        for column in (self._input_ids, self._loss_masks):
+            column.append(np.zeros(pad, column[-1].dtype))
+        if self.manifest.scaled:
+            self._scales.append(np.zeros(pad, self._scales[-1].dtype))
+        if self._rows_in_buffer == self.flusher.shape[0]:
+            self._flush_shard()
+
+    def _append_rows(self, hidden: np.ndarray) -> None:
+        t, done = hidden.shape[0], 0
         cap = self.flusher.shape[0]
         while done < t:
             n = min(t - done, cap - self._rows_in_buffer)
@@ -242,10 +267,11 @@ class SegmentWriter:
         return SegmentInfo(
             id=self.segment_id,
             num_samples=len(self._samples),
-            num_tokens=self.rows,
+            num_tokens=self.tokens,
             num_shards=self._shards_written,
             files=dict(self._files),
             committed_at=now_iso(),
+            padded_rows=self.rows if self.rows != self.tokens else None,
         )
 
     def sample_ids(self) -> list[str]:

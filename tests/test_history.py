@@ -14,6 +14,7 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.format import commit
+from hsstore.format.manifest import FORMAT_VERSION
 from tools.synthetic import random_sample
 
 H = 32
@@ -143,7 +144,7 @@ def test_format_1_datasets_are_read_and_extended(tmp_path):
     assert hsstore.verify(tmp_path / "ds").ok
     _commit_each(ds, 2, start=3)
     newest = json.loads((tmp_path / "ds" / "manifests" / "v00000006.json").read_text())
-    assert newest["format_version"] == 2 and newest["kind"] == "delta"
+    assert newest["format_version"] == FORMAT_VERSION and newest["kind"] == "delta"
     ds = hsstore.open(tmp_path / "ds")
     assert ds.sample_ids == [f"s{i}" for i in range(5)]
     assert torch.equal(ds.get("s1").hidden, random_sample(5, 2, H, seed=1)[2])
@@ -179,7 +180,7 @@ def _held_while_reading(path: Path, threads: int) -> int:
 
 
 def test_reader_memory_per_thread_does_not_grow_with_segments(tmp_path):
-    ds = _create(tmp_path / "ds", chunk_bytes=64 << 10)
+    ds = _create(tmp_path / "ds", chunk_bytes=64 << 10, sample_aligned=False)
     chunk = ds.manifest.chunk_nbytes
     assert chunk >= 32 << 10
     _commit_each(ds, 40, tokens=300)

@@ -1,11 +1,12 @@
 """Peer race: the same samples written and read by hsstore and by the formats it competes with.
 
 Contenders (each stores the states and the token ids of every sample):
-  hsstore default codec (blosc zstd-1 shuffle) and uncompressed; Lance (pylance, one row per
+  hsstore default codec (split-zstd, sample-aligned chunks), uncompressed, and blosc-zstd (the
+  previous default, for the codec change in the same run); Lance (pylance, one row per
   token, zstd, written in batches so pages compress); MosaicML streaming MDS with zstd (read
   through `StreamingDataset`, which keeps a decompressed copy of every shard on local disk:
   reported as its own row with that disk cost); safetensors and `torch.save`, one file per
-  sample; zarr-python, one array with hsstore's codec and ~1 MiB chunks.
+  sample; zarr-python, one array with blosc zstd-1 shuffle and ~1 MiB chunks.
 Data sets: synthetic LLM-like `[T, 4, 2048]` bf16 (`tools/synthetic.py`) and real MiniLM-L6
 activations `[T, 7, 384]` bf16 (`tools/real_states.py`).
 
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
+from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 
@@ -372,8 +374,9 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
     print(f"\n{name}: {len(samples)} samples, {sum(s.shape[0] for _, s in samples)} tokens, "
           f"[T, {shape[0]}, {shape[1]}] bf16, {raw_bytes / 1e6:.0f} MB raw", flush=True)  # fmt: skip
     factories: dict[str, Callable[[Path], Contender]] = {
-        "hsstore": lambda p: Hsstore(p, samples, "blosc-zstd"),
+        "hsstore": lambda p: Hsstore(p, samples, DEFAULT_CODEC),
         "hsstore-none": lambda p: Hsstore(p, samples, "none"),
+        "hsstore-blosc": lambda p: Hsstore(p, samples, "blosc-zstd"),
         "lance": lambda p: LanceRows(p, samples),
         "mds": lambda p: MosaicMDS(p, samples),
         "safetensors": lambda p: SafetensorsFiles(p, samples),
@@ -381,10 +384,11 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
         "zarr": lambda p: ZarrPython(p, samples),
     }
     # Untimed: the first write of a process pays for imports and first-touch allocations.
-    Hsstore(work / f"{name}-warmup", samples[:1], "blosc-zstd").write()
+    Hsstore(work / f"{name}-warmup", samples[:1], DEFAULT_CODEC).write()
     shutil.rmtree(work / f"{name}-warmup")
     results: dict[str, Result] = {}
-    for key in ["hsstore", "hsstore-none", *peers]:
+    # hsstore-blosc: the previous default codec (format 2), the baseline of the codec change.
+    for key in ["hsstore", "hsstore-none", "hsstore-blosc", *peers]:
         results[key] = measure(factories[key](work / f"{name}-{key}"), raw_bytes, args.repeats, 1)
         if key != "hsstore" and key != "hsstore-none":
             shutil.rmtree(work / f"{name}-{key}")

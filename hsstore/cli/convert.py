@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
+from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
 from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, HSSTORE
 
 
@@ -61,7 +62,11 @@ def _parse_ids(value: str | None) -> list[int] | None:
 )
 @click.option("--num-hidden-layers", type=int, help="Decoder layers of the target model.")
 @click.option("--model", "model_name", help="Target model name to record in the manifest.")
-@click.option("--codec", help="Codec of a new dataset (default: the store's lossless default).")
+@click.option(
+    "--codec",
+    type=click.Choice(CODEC_NAMES),
+    help=f"Codec of a new dataset (default: {DEFAULT_CODEC}, lossless).",
+)
 @click.option(
     "--workers",
     type=click.IntRange(min=1),

@@ -10,6 +10,7 @@ import sys
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
+from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
 
 
 @click.command("extract")
@@ -54,7 +55,7 @@ from hsstore.cli._common import emit_json, handle_errors
     show_default=True,
     help="Compute and storage dtype (auto: the model's).",
 )
-@click.option("--codec", default="blosc-zstd", show_default=True)
+@click.option("--codec", type=click.Choice(CODEC_NAMES), default=DEFAULT_CODEC, show_default=True)
 @click.option(
     "--commit-every", type=int, default=512, show_default=True, help="Samples per commit."
 )

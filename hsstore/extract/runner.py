@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hsstore.codecs import DEFAULT_CODEC
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extract.batching import parse_shard
 from hsstore.extract.layer_select import parse_layers
@@ -47,7 +48,7 @@ class ExtractOptions:
     max_batch_tokens: int = 16384
     device: str = "auto"
     dtype: str = "auto"
-    codec: str = "blosc-zstd"
+    codec: str = DEFAULT_CODEC
     commit_every: int = 512
     commit_seconds: float = 300.0
     max_queue: int = 4

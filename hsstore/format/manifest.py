@@ -32,7 +32,9 @@ from hsstore.format.schema import validate
 from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+ALIGNED_CHUNK_BYTES = 256 << 10
+ALIGNED_MAX_ROWS = 64
 # Format 1 wrote only full manifests without a checksum; they are still read (see FORMAT.md).
 OLDEST_READABLE_FORMAT = 1
 
@@ -125,21 +127,34 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the [tokens, layers, hidden] state array of a segment is cut into chunks and shards."""
+    """How the [tokens, layers, hidden] state array of a segment is cut into chunks and shards.
+
+    ``sample_aligned``: every sample starts at a chunk boundary (the rows after a sample, up to
+    the next boundary, are zero padding that belongs to no sample), so a chunk never holds the
+    rows of two samples and reading a sample decodes nothing of its neighbours.
+    """
 
     rows_per_chunk: int
     chunks_per_shard: int
     layers_per_chunk: int
+    sample_aligned: bool = False
 
     @property
     def rows_per_shard(self) -> int:
         return self.rows_per_chunk * self.chunks_per_shard
 
-    def to_json(self) -> dict[str, int]:
+    def start_row(self, rows: int) -> int:
+        """Where the next sample starts in a segment whose samples fill ``rows`` rows."""
+        if self.sample_aligned:
+            return -(-rows // self.rows_per_chunk) * self.rows_per_chunk
+        return rows
+
+    def to_json(self) -> dict[str, Any]:
         return {
             "rows_per_chunk": self.rows_per_chunk,
             "chunks_per_shard": self.chunks_per_shard,
             "layers_per_chunk": self.layers_per_chunk,
+            "sample_aligned": self.sample_aligned,
         }
 
     @classmethod
@@ -150,10 +165,18 @@ class Layout:
         hidden_size: int,
         itemsize: int,
         layers_per_chunk: int | None = None,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int | None = None,
         shard_bytes: int = 64 << 20,
+        sample_aligned: bool = False,
     ) -> Layout:
-        """Rows per chunk: a power of two giving ~1 MiB chunks; ~64 MiB shards."""
+        """Rows per chunk: the largest power of two within ``chunk_bytes``; ~64 MiB shards.
+
+        Sample-aligned layouts default to ~256 KiB chunks of at most 64 rows: each sample
+        pads its last chunk (half a chunk on average), so chunks stay a small part of a
+        sample, while large enough to decode at full speed. Others default to ~1 MiB.
+        """
+        if chunk_bytes is None:
+            chunk_bytes = ALIGNED_CHUNK_BYTES if sample_aligned else 1 << 20
         sizes = {"num_layers": num_layers, "hidden_size": hidden_size, "itemsize": itemsize}
         sizes |= {"chunk_bytes": chunk_bytes, "shard_bytes": shard_bytes}
         for what, n in sizes.items():  # a zero or negative size would never end the loop below
@@ -163,12 +186,18 @@ class Layout:
         if lpc < 1 or num_layers % lpc:
             raise FormatError(f"layers_per_chunk={lpc} must divide the layer count {num_layers}")
         row_bytes = lpc * hidden_size * itemsize
+        max_rows = ALIGNED_MAX_ROWS if sample_aligned else 1 << 30
         rows = 1
-        while rows * 2 * row_bytes <= chunk_bytes:
+        while rows * 2 * row_bytes <= chunk_bytes and rows * 2 <= max_rows:
             rows *= 2
         chunk = rows * row_bytes * (num_layers // lpc)
         chunks = max(1, min(1024, shard_bytes // max(chunk, 1)))
-        return cls(rows_per_chunk=rows, chunks_per_shard=int(chunks), layers_per_chunk=lpc)
+        return cls(
+            rows_per_chunk=rows,
+            chunks_per_shard=int(chunks),
+            layers_per_chunk=lpc,
+            sample_aligned=sample_aligned,
+        )
 
 
 @dataclass(frozen=True)
@@ -187,9 +216,16 @@ class SegmentInfo:
     num_shards: int
     files: dict[str, FileInfo]
     committed_at: str
+    # Rows of the segment's per-token arrays: num_tokens plus the padding of a sample-aligned
+    # layout (None: no padding, the arrays have num_tokens rows).
+    padded_rows: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens if self.padded_rows is None else self.padded_rows
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "id": self.id,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
@@ -202,6 +238,9 @@ class SegmentInfo:
                 for k, v in sorted(self.files.items())
             },
         }
+        if self.padded_rows is not None:
+            obj["num_rows"] = self.padded_rows
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, where: str) -> SegmentInfo:
@@ -216,6 +255,12 @@ class SegmentInfo:
                     f"segment {obj['id']} lists shard {shard} but has {obj['num_shards']} shards",
                     path=where,
                 )
+        padded_rows = obj.get("num_rows")
+        if padded_rows is not None and padded_rows < obj["num_tokens"]:
+            raise FormatError(
+                f"segment {obj['id']} has {padded_rows} rows for {obj['num_tokens']} tokens",
+                path=where,
+            )
         return cls(
             id=obj["id"],
             num_samples=obj["num_samples"],
@@ -223,6 +268,7 @@ class SegmentInfo:
             num_shards=obj["num_shards"],
             committed_at=obj["committed_at"],
             files={k: FileInfo(v["size"], v.get("crc32c")) for k, v in obj["files"].items()},
+            padded_rows=padded_rows,
         )
 
 

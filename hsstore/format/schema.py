@@ -116,6 +116,8 @@ def _check_segment(seg: Any) -> str | None:
     if type(seg["committed_at"]) is not str:
         return "committed_at is not of type 'string'"
     for key, (lo, hi) in r.counts.items():
+        if key not in seg:  # optional (num_rows); the required ones were checked above
+            continue
         value = seg[key]
         if type(value) is not int or not lo <= value <= hi:
             return f"{key} {_short(value)} is not an integer in [{lo}, {hi}]"
