@@ -56,6 +56,7 @@ _MIN_SPLIT_BYTES = 128
 # zstd for entropy coding only: the shortest window and hash, and matches of 7+ bytes (which
 # never occur in exponent streams), so nearly all of the stream becomes Huffman-coded literals.
 _SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=6, window_log=17)
+_PROBE_BYTES = 1024
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -144,11 +145,18 @@ class ChunkCodec:
         )
         self._local = threading.local()
 
-    def encode(self, chunk: np.ndarray) -> list[bytes | memoryview]:
-        """Encoded pieces of one C-contiguous chunk; written back to back they form the chunk."""
+    def encode(self, chunk: np.ndarray, *, reuse_input: bool = False) -> list[bytes | memoryview]:
+        """Encoded pieces of one chunk; written back to back they form the chunk.
+
+        Pieces may be views of ``chunk``'s memory, so it must stay unchanged until they are
+        written. With ``reuse_input`` (a C-contiguous chunk the caller will not read again),
+        ``split-zstd`` stores its raw streams in ``chunk``'s own memory instead of fresh
+        memory (first touch of fresh memory is slow; the writer's shard buffer is warm).
+        """
         raw = memoryview(np.ascontiguousarray(chunk)).cast("B")
         if self.config.name == "split-zstd":
-            body_parts = self._encode_split(raw)
+            own = reuse_input and chunk.flags.c_contiguous and chunk.flags.writeable
+            body_parts = self._encode_split(raw, np.frombuffer(raw, np.uint8) if own else None)
             crc = 0
             for part in body_parts:
                 crc = crc32c(part, crc)
@@ -162,32 +170,56 @@ class ChunkCodec:
             body = raw
         return [body, struct.pack("<I", crc32c(body))]
 
-    def _encode_split(self, raw: memoryview) -> list[bytes | memoryview]:
+    def _encode_split(
+        self, raw: memoryview, raw_home: np.ndarray | None
+    ) -> list[bytes | memoryview]:
         """One blosc frame of one block whose byte streams are coded apart (module docstring).
+        Raw streams go to ``raw_home`` (the chunk's own memory, already split into a scratch)
+        or, without one, to fresh memory.
 
-        Thread-safe: a zstd context per thread (the writer encodes in a pool).
+        Thread-safe: a zstd context and a scratch buffer per thread (the writer encodes in a
+        pool).
         """
         nbytes, k = len(raw), self.itemsize
         split = k > 1 and nbytes // k >= _MIN_SPLIT_BYTES
         flags = _ZSTD_FORMAT_FLAGS | (_FLAG_SHUFFLE if k > 1 else 0)
-        values = np.frombuffer(raw, dtype=np.uint8)
-        if split:
-            # Byte b of every value, for b = 0 .. k-1: the streams blosc's unshuffle interleaves.
-            # (A strided slice copy runs ~3x faster than a column of a [n, k] view.)
-            streams = [values[b::k].copy() for b in range(k)]
-        else:
+        if not split:
             flags |= _FLAG_DONT_SPLIT
-            streams = [np.concatenate([values[b::k] for b in range(k)]) if k > 1 else values]
-        zstd = getattr(self._local, "zstd", None)
-        if zstd is None:
-            zstd = self._local.zstd = zstandard.ZstdCompressor(compression_params=self._zstd_params)
+        local = self._local
+        if getattr(local, "zstd", None) is None:
+            local.zstd = zstandard.ZstdCompressor(compression_params=self._zstd_params)
+            local.scratch = np.empty(0, np.uint8)
+        if local.scratch.nbytes < nbytes:
+            local.scratch = np.empty(nbytes, np.uint8)
+        # The shuffled bytes: byte b of every value, for b = 0 .. k-1 (what blosc's unshuffle
+        # interleaves), in a reused scratch. A strided slice copy runs ~3x faster than a
+        # column of a [n, k] view, and warm memory ~2.5x faster than fresh.
+        values = np.frombuffer(raw, dtype=np.uint8)
+        shuffled = local.scratch[:nbytes]
+        m = nbytes // k
+        for b in range(k):
+            np.copyto(shuffled[b * m : (b + 1) * m], values[b::k])
+        streams = [shuffled[b * m : (b + 1) * m] for b in range(k)] if split else [shuffled]
         parts: list[bytes | memoryview] = []
-        for stream in streams:
+        raw_at = 0
+        for b, stream in enumerate(streams):
             size = stream.nbytes
-            packed = zstd.compress(stream) if size else b""
-            # Raw unless zstd saves 1/16: raw streams decode as a copy. A packed stream of
-            # exactly ``size`` bytes would be read as raw, which the margin rules out.
-            body: bytes | memoryview = packed if len(packed) < size - size // 16 else stream.data
+            body: bytes | memoryview | None = None
+            # The last stream holds the high bytes (sign and exponent): always worth coding.
+            # The others (mantissa noise, unless padding or low-precision data) are probed.
+            if size and (b == len(streams) - 1 or _worth_compressing(stream, local.zstd)):
+                packed = local.zstd.compress(stream)
+                # Raw unless zstd saves 1/16: raw streams decode as a copy. A packed stream of
+                # exactly ``size`` bytes would be read as raw, which the margin rules out.
+                if len(packed) < size - size // 16:
+                    body = packed
+            if body is None:  # raw: out of the scratch, which the next chunk overwrites
+                if raw_home is not None:
+                    home = raw_home[raw_at : raw_at + size]
+                    np.copyto(home, stream)
+                    body, raw_at = home.data, raw_at + size
+                else:
+                    body = stream.tobytes()
             parts += [struct.pack("<i", len(body)), body]
         cbytes = _BLOSC_HEADER.size + 4 + sum(len(p) for p in parts)
         header = _BLOSC_HEADER.pack(
@@ -225,6 +257,14 @@ class ChunkCodec:
                 raise IntegrityError(f"chunk does not decode: {exc}", path=what) from exc
         else:
             out[:] = body
+
+
+def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bool:
+    """Whether zstd is likely to save 1/16 of ``stream``, judged on ~1 KiB spread evenly
+    over it: mantissa noise is skipped for the price of a tiny probe (a full attempt costs
+    ~0.4 s per GB), while a stream holding padding zeros or few distinct values is coded."""
+    probe = np.ascontiguousarray(stream[:: max(1, stream.nbytes // _PROBE_BYTES)])
+    return len(zstd.compress(probe)) < probe.nbytes - probe.nbytes // 16
 
 
 def check_crc(encoded: memoryview, *, what: str) -> memoryview:

@@ -94,8 +94,8 @@ def create(
     """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
 
     ``sample_aligned`` (default: whenever the codec compresses) starts every sample at a chunk
-    boundary, so a random read decodes only its own rows; ``chunk_bytes`` defaults to ~256 KiB
-    for aligned layouts and ~1 MiB otherwise (see `Layout.choose`).
+    boundary, so a random read decodes only its own rows; chunks are ~``chunk_bytes`` (default
+    1 MiB), at most 32 rows when aligned (see `Layout.choose`).
 
     ``path`` is a local path or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
     ``file://``); see docs/STORAGE.md.

@@ -212,7 +212,10 @@ class SegmentWriter:
             for c in range(row_chunks)
             for j in range(n_layer_chunks)
         ]
-        encoded = self.flusher.map(self._codec.encode, pieces)
+        # The buffer is not read again until this shard is written, so raw parts of a chunk
+        # may live in the chunk's own (warm) memory.
+        encode = functools.partial(self._codec.encode, reuse_input=True)
+        encoded = self.flusher.map(encode, pieces)
         index = np.full((layout.chunks_per_shard, n_layer_chunks, 1, 2), zarr_meta.EMPTY, "<u8")
         offset = 0
         flat = index.reshape(-1, 2)

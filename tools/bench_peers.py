@@ -1,8 +1,8 @@
 """Peer race: the same samples written and read by hsstore and by the formats it competes with.
 
 Contenders (each stores the states and the token ids of every sample):
-  hsstore default codec (split-zstd, sample-aligned chunks), uncompressed, and blosc-zstd (the
-  previous default, for the codec change in the same run); Lance (pylance, one row per
+  hsstore default codec (split-zstd, sample-aligned chunks), uncompressed, and format 2's
+  default (blosc-zstd, unaligned ~1 MiB chunks: the baseline of the change, same run); Lance (pylance, one row per
   token, zstd, written in batches so pages compress); MosaicML streaming MDS with zstd (read
   through `StreamingDataset`, which keeps a decompressed copy of every shard on local disk:
   reported as its own row with that disk cost); safetensors and `torch.save`, one file per
@@ -98,14 +98,17 @@ class Contender:
 
 
 class Hsstore(Contender):
-    def __init__(self, root: Path, samples: list[Sample], codec: str):
+    def __init__(self, root: Path, samples: list[Sample], codec: str, *, format_2: bool = False):
         super().__init__(root, samples)
         self.codec = codec
-        self.name = f"hsstore {codec}"
+        # format_2: the layout of format 2 (no sample alignment, ~1 MiB chunks)
+        self.aligned = None if not format_2 else False
+        self.name = f"hsstore {codec}" + (", format 2 layout" if format_2 else "")
 
     def write(self) -> None:
         ds = hsstore.create(self.root, layers=[LayerSpec(k + 1) for k in range(self.layers)],
-                            hidden_size=self.hidden, dtype=torch.bfloat16, codec=self.codec)  # fmt: skip
+                            hidden_size=self.hidden, dtype=torch.bfloat16, codec=self.codec,
+                            sample_aligned=self.aligned)  # fmt: skip
         with ds.writer(encode_threads=1) as w:
             for i, (ids, states) in enumerate(self.samples):
                 w.add(f"s{i}", ids, torch.ones_like(ids), states)
@@ -376,7 +379,7 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
     factories: dict[str, Callable[[Path], Contender]] = {
         "hsstore": lambda p: Hsstore(p, samples, DEFAULT_CODEC),
         "hsstore-none": lambda p: Hsstore(p, samples, "none"),
-        "hsstore-blosc": lambda p: Hsstore(p, samples, "blosc-zstd"),
+        "hsstore-blosc": lambda p: Hsstore(p, samples, "blosc-zstd", format_2=True),
         "lance": lambda p: LanceRows(p, samples),
         "mds": lambda p: MosaicMDS(p, samples),
         "safetensors": lambda p: SafetensorsFiles(p, samples),
@@ -387,7 +390,8 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
     Hsstore(work / f"{name}-warmup", samples[:1], DEFAULT_CODEC).write()
     shutil.rmtree(work / f"{name}-warmup")
     results: dict[str, Result] = {}
-    # hsstore-blosc: the previous default codec (format 2), the baseline of the codec change.
+    # hsstore-blosc: format 2's default (blosc-zstd, unaligned ~1 MiB chunks), the baseline of
+    # the codec and layout change, measured in the same run.
     for key in ["hsstore", "hsstore-none", "hsstore-blosc", *peers]:
         results[key] = measure(factories[key](work / f"{name}-{key}"), raw_bytes, args.repeats, 1)
         if key != "hsstore" and key != "hsstore-none":
