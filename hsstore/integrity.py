@@ -249,7 +249,8 @@ def _check_segment_files(
     reader: SegmentReader, report: VerifyReport, tick: Callable[[int], None]
 ) -> bool:
     """Check every file of one segment; False if its index is unusable (no sample pass)."""
-    rows_to_ids, index_ok = _row_mapper(reader)
+    rows_to_ids, index_error = _row_mapper(reader)
+    index_file_bad = False
     for relpath, info in reader.info.files.items():
         report.files_checked += 1
         shard = paths.shard_of(relpath)
@@ -275,6 +276,7 @@ def _check_segment_files(
             sample_ids: list[str] = []
             reason = exc.message if isinstance(exc, HsstoreError) else f"cannot read ({exc})"
             if relpath == paths.INDEX:
+                index_file_bad = True
                 sample_ids = reader.salvage_sample_ids()
                 reason += (
                     f" (index of {reader.info.num_samples} samples: "
@@ -282,15 +284,29 @@ def _check_segment_files(
                        else "none can be named)")
                 )  # fmt: skip
             report.problems.append(Problem("file", reader.where(relpath), reason, sample_ids))
-    return index_ok
+    if index_error is not None and not index_file_bad:
+        # Intact bytes that do not make a usable index (a schema or rows that do not fit the
+        # segment): the file check passed, so this is the only report of it.
+        reason = (
+            index_error.message
+            if isinstance(index_error, HsstoreError)
+            else f"cannot read ({index_error})"
+        )
+        report.problems.append(
+            Problem("file", reader.where(paths.INDEX), reason, reader.salvage_sample_ids())
+        )
+    return index_error is None
 
 
-def _row_mapper(reader: SegmentReader) -> tuple[Callable[[int, int], list[str]], bool]:
-    """Sample ids of one segment whose rows overlap [lo, hi), and whether its index reads."""
+def _row_mapper(
+    reader: SegmentReader,
+) -> tuple[Callable[[int, int], list[str]], HsstoreError | OSError | None]:
+    """Sample ids of one segment whose rows overlap [lo, hi), and why its index does not read
+    (None when it does)."""
     try:
         index = reader.index()
-    except (HsstoreError, OSError):
-        return (lambda lo, hi: []), False
+    except (HsstoreError, OSError) as exc:
+        return (lambda lo, hi: []), exc
     starts = index.column("row_offset").to_numpy()
     ends = starts + index.column("num_tokens").to_numpy()
     ids = index.column("sample_id").to_pylist()
@@ -298,7 +314,7 @@ def _row_mapper(reader: SegmentReader) -> tuple[Callable[[int, int], list[str]],
     def overlap(lo: int, hi: int) -> list[str]:
         return [ids[i] for i in np.flatnonzero((starts < hi) & (ends > lo))]
 
-    return overlap, True
+    return overlap, None
 
 
 def gc(

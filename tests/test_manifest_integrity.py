@@ -146,9 +146,10 @@ def test_a_delta_is_checksummed_too(tmp_path):
         (lambda o: o["provenance"].__setitem__("deep", _nested(500)), "nested"),
         (lambda o: o["segments"].append(o["segments"][0]), "listed twice"),
         (lambda o: o["layers"][0].__setitem__("depth", 9), "exceeds model.num_hidden_layers"),
+        (lambda o: o["segments"][0].__setitem__("num_rows", 1), "1 rows for"),
     ],
     ids=["float", "1e300", "2^40_rows", "2^40_chunks", "files_key", "shard_range", "deep",
-         "segment_twice", "depth_above_model"],
+         "segment_twice", "depth_above_model", "rows_below_tokens"],
 )  # fmt: skip
 @pytest.mark.parametrize("reseal", [False, True], ids=["format1", "resealed"])
 def test_bad_manifest_values_give_one_clean_error(tmp_path, change, reason, reseal):
@@ -317,3 +318,38 @@ def test_sample_ids_survive_verify_round_trip(tmp_path):
     got = ds.read(3).hidden
     assert np.array_equal(got.view(torch.int16).numpy(),
                           random_sample(33, 3, H, seed=3)[2].view(torch.int16).numpy())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shift, reason",
+    [(1, "chunk boundary"), (-1, "overlap")],
+    ids=["off_the_chunk_grid", "into_the_previous_sample"],
+)
+def test_an_index_row_that_does_not_fit_the_layout_is_refused(tmp_path, shift, reason):
+    """An index (with a consistent manifest) pointing a sample elsewhere than where the aligned
+    layout put it would serve padding or another sample's states: refused, in one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hsstore.codecs import crc32c
+
+    ds = _build(tmp_path / "ds", commits=1)
+    assert ds.manifest.layout.sample_aligned
+    obj = _rewrite_as_format_1(tmp_path / "ds")
+    file = _segment_dir(ds) / "index.parquet"
+    with pq.ParquetFile(file) as index_file:
+        table = index_file.read(use_threads=False)
+    rows = table.column("row_offset").to_pylist()
+    assert rows[1] > rows[0] + table.column("num_tokens")[0].as_py() - 1  # room to shift into
+    rows[1] += shift
+    table = table.set_column(1, table.schema.field(1), pa.array(rows, pa.int64()))
+    file.chmod(0o644)
+    pq.write_table(table, file, compression="zstd")
+    data = file.read_bytes()
+    obj["segments"][0]["files"]["index.parquet"] = {"size": len(data), "crc32c": crc32c(data)}
+    _write_doc(_manifests(tmp_path / "ds") / "v00000001.json", obj)
+    with pytest.raises(hsstore.IntegrityError, match=reason):
+        hsstore.open(tmp_path / "ds")
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "ds")])
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output
+    assert reason in result.output

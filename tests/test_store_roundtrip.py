@@ -160,3 +160,33 @@ def test_layer_stats_recorded_at_write(tmp_path):
     )
     row = ds.index.to_pylist()[0]
     assert row["zero_rows"] == 1 and row["nonfinite_rows"] == 1
+
+
+def test_compressed_samples_never_share_a_chunk(tmp_path):
+    """Sample-aligned layout: each sample owns whole chunks (a random read decodes nothing of
+    its neighbours); the padding between samples is invisible to reads, stats and counts."""
+    ds = hsstore.create(tmp_path / "ds", layers=_layers(2), hidden_size=48, dtype=torch.bfloat16)
+    layout = ds.manifest.layout
+    assert ds.manifest.codec.name == "split-zstd" and layout.sample_aligned
+    rpc = layout.rows_per_chunk
+    lengths = [1, rpc - 1, rpc, rpc + 1, 3 * rpc + 5, 2, 7 * rpc]
+    samples = [random_sample(t, 2, 48, seed=k) for k, t in enumerate(lengths)]
+    with ds.writer() as w:
+        for k, (ids, mask, hid) in enumerate(samples):
+            w.add(f"s{k}", ids, mask, hid)
+    ds = hsstore.open(tmp_path / "ds")
+    owner: dict[int, int] = {}
+    for k, (start, n) in enumerate(
+        zip(ds.index.column("row_offset").to_pylist(), ds.index.column("num_tokens").to_pylist())
+    ):
+        assert start % rpc == 0
+        for chunk in range(start // rpc, (start + n - 1) // rpc + 1):
+            assert owner.setdefault(chunk, k) == k, (
+                f"chunk {chunk} holds samples {owner[chunk]}, {k}"
+            )
+    for k in np.random.default_rng(0).permutation(len(samples)):
+        assert torch.equal(ds[int(k)].hidden.view(torch.int16), samples[k][2].view(torch.int16))
+    assert ds.num_tokens == sum(lengths) < ds.manifest.segments[0].num_rows
+    stats = ds.layer_stats()
+    assert [s.rows for s in stats] == [sum(lengths)] * 2 and [s.zero_rows for s in stats] == [0, 0]
+    assert hsstore.verify(tmp_path / "ds").ok

@@ -1,7 +1,7 @@
 """Benchmark the streaming loader against the raw-read ceiling and a speculators-v1-style loader.
 
 One run builds (or reuses, with --data) three copies of the same synthetic samples: hsstore
-uncompressed, hsstore compressed (blosc-zstd) and one ``torch.save`` ``.pt`` file per sample in
+uncompressed, hsstore compressed (the default codec) and one ``torch.save`` ``.pt`` file per sample in
 the speculators v1 layout. Every case runs in its own subprocess so its peak RSS (itself plus
 DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batches:
 
@@ -40,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from hsstore.codecs import DEFAULT_CODEC as COMPRESSED
 
 LAYERS = 4
 
@@ -82,7 +84,7 @@ def build(root: Path, tokens: int, hidden: int, seed: int) -> None:
         return
     dss = {
         codec: hsstore.create(root / f"hs_{codec}", layers=specs, hidden_size=hidden, dtype=torch.bfloat16, model=model, codec=codec)
-        for codec in ("none", "blosc-zstd")
+        for codec in ("none", COMPRESSED)
     }  # fmt: skip
     v1 = root / "v1"
     v1.mkdir(parents=True, exist_ok=True)
@@ -377,16 +379,18 @@ def main() -> None:
     t0 = time.perf_counter()
     build(root, args.tokens, args.hidden, seed=0)
     raw_gb = sum(p.stat().st_size for p in _files(root / "hs_none", "states/c/*/0/0")) / 1e9
-    comp_gb = sum(p.stat().st_size for p in _files(root / "hs_blosc-zstd", "states/c/*/0/0")) / 1e9
+    comp_gb = (
+        sum(p.stat().st_size for p in _files(root / f"hs_{COMPRESSED}", "states/c/*/0/0")) / 1e9
+    )
     print(f"data: {args.tokens} tokens x {LAYERS} layers x {args.hidden} bf16 = {raw_gb:.2f} GB raw, "
           f"{comp_gb:.2f} GB compressed ({raw_gb / comp_gb:.2f}x); built/checked in {time.perf_counter() - t0:.0f}s")  # fmt: skip
     n = args.threads
     cases = [
         "ceiling:1:warm", f"ceiling:{n}:warm",
         "hs_none:1:warm", f"hs_none:{n}:warm", f"hs_none+noverify:{n}:warm",
-        "hs_blosc-zstd:1:warm", f"hs_blosc-zstd:{n}:warm",
-        f"v1:{n}:warm", "direct-hs_none:1:warm", "direct-hs_blosc-zstd:1:warm",
-        f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_blosc-zstd:{n}:cold", f"v1:{n}:cold",
+        f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm",
+        f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm",
+        f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
     ]  # fmt: skip
     res: dict[str, dict] = {}
     for _ in range(args.rounds):  # whole rounds, interleaved: load drifts hit every case alike
@@ -412,14 +416,14 @@ def main() -> None:
         print(f"{case:28s} {r['gb_s']:6.2f} GB/s {r['tokens_s'] / 1e3:8.1f} ktok/s  "
               f"rss {r['peak_rss_mb']:6.0f} MB  pss {r['peak_pss_all_mb']:6.0f} MB")  # fmt: skip
     g = {c: r["gb_s"] for c, r in res.items()}
-    comp1 = g["hs_blosc-zstd:1:warm"]
+    comp1 = g[f"hs_{COMPRESSED}:1:warm"]
     print(f"scaling 1->{n} threads: uncompressed {g[f'hs_none:{n}:warm'] / g['hs_none:1:warm']:.2f}x, "
-          f"compressed {g[f'hs_blosc-zstd:{n}:warm'] / comp1:.2f}x")  # fmt: skip
+          f"compressed {g[f'hs_{COMPRESSED}:{n}:warm'] / comp1:.2f}x")  # fmt: skip
     print(f"cold cache (page cache of our files evicted with posix_fadvise DONTNEED): loader/ceiling "
           f"{g[f'hs_none:{n}:cold'] / g[f'ceiling:{n}:cold']:.2f}, loader/v1 {g[f'hs_none:{n}:cold'] / g[f'v1:{n}:cold']:.2f}, "
-          f"compressed/v1 {g[f'hs_blosc-zstd:{n}:cold'] / g[f'v1:{n}:cold']:.2f}")  # fmt: skip
+          f"compressed/v1 {g[f'hs_{COMPRESSED}:{n}:cold'] / g[f'v1:{n}:cold']:.2f}")  # fmt: skip
     print(f"compressed loader (1 thread) vs the core's own sequential decode (1 thread): "
-          f"{comp1 / g['direct-hs_blosc-zstd:1:warm']:.2f}")  # fmt: skip
+          f"{comp1 / g[f'direct-hs_{COMPRESSED}:1:warm']:.2f}")  # fmt: skip
     print(f"uncompressed loader without whole-sample CRC checks (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
