@@ -55,7 +55,7 @@ _FLAG_SHUFFLE, _FLAG_DONT_SPLIT, _ZSTD_FORMAT_FLAGS = 0x01, 0x10, 4 << 5
 _MIN_SPLIT_BYTES = 128
 # zstd for entropy coding only: the shortest window and hash, and matches of 7+ bytes (which
 # never occur in exponent streams), so nearly all of the stream becomes Huffman-coded literals.
-_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=6, window_log=17)
+_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=10, window_log=17)
 _PROBE_BYTES = 1024
 
 

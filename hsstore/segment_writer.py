@@ -39,7 +39,7 @@ class _PendingSample:
     num_tokens: int
     num_loss_tokens: int
     checksum: int
-    flags: RowFlags
+    flags: RowFlags | None  # None until the shard holding its last row has been written
     source: str | None
 
 
@@ -105,6 +105,8 @@ class SegmentWriter:
     _input_ids: list[np.ndarray] = field(default_factory=list)
     _loss_masks: list[np.ndarray] = field(default_factory=list)
     _scales: list[np.ndarray] = field(default_factory=list)
+    # Per shard written: which of its rows are all zeros / hold a NaN or Inf in some layer.
+    _row_flags: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         layout = self.manifest.layout
@@ -143,9 +145,8 @@ class SegmentWriter:
             raise FormatError(f"per-token scales go with a scaled dtype, not {self.manifest.dtype}")
         # Padding first: it goes before this sample's rows in every per-token array.
         self._pad_to(self.manifest.layout.start_row(self.rows))
-        if scales is None:
-            flags = self._stats.update(hidden)
-        else:
+        flags = None  # unscaled: counted when its shards are written (`_write_shard`)
+        if scales is not None:
             values = fp8.dequantize(
                 torch.from_numpy(hidden).view(self.manifest.torch_dtype),
                 torch.from_numpy(scales),
@@ -195,13 +196,37 @@ class SegmentWriter:
         self.rows += t
 
     def _flush_shard(self) -> None:
-        job = functools.partial(self._write_shard, self._rows_in_buffer, self._shards_written)
+        job = functools.partial(
+            self._write_shard, self._rows_in_buffer, self._shards_written, self._real_rows()
+        )
         self.flusher.submit(job)
         self._shards_written += 1
         self._rows_in_buffer = 0
 
-    def _write_shard(self, filled: int, shard: int, buffer: np.ndarray) -> None:
-        """Encode the chunks of one shard (in the pool) and write the shard file. Background."""
+    def _real_rows(self) -> np.ndarray | None:
+        """Which rows of the shard being flushed belong to a sample (None: all of them)."""
+        if not self.manifest.layout.sample_aligned:
+            return None
+        row0 = self._shards_written * self.manifest.layout.rows_per_shard
+        real = np.zeros(self._rows_in_buffer, bool)
+        for sample in reversed(self._samples):  # the samples that reach into this shard
+            if sample.row_offset + sample.num_tokens <= row0:
+                break
+            real[
+                max(sample.row_offset - row0, 0) : sample.row_offset + sample.num_tokens - row0
+            ] = 1
+        return real
+
+    def _write_shard(
+        self, filled: int, shard: int, real: np.ndarray | None, buffer: np.ndarray
+    ) -> None:
+        """Record the statistics of one shard's rows, encode its chunks (in the pool) and
+        write the shard file. Background (shards in order, one at a time)."""
+        if not self.manifest.scaled:
+            # One pass per shard rather than per sample: on small samples the per-call cost
+            # of the statistics was most of it. Before encoding, which may reuse the buffer.
+            zero, nonfinite = self._stats.update_block(buffer[:filled], real)
+            self._row_flags.append((zero, nonfinite))
         layout = self.manifest.layout
         rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk
         n_layer_chunks = self.manifest.num_layers // lpc
@@ -236,6 +261,8 @@ class SegmentWriter:
         if self._rows_in_buffer:
             self._flush_shard()
         self.flusher.wait()
+        if not self.manifest.scaled:
+            self._count_flags()
         man = self.manifest
         small: dict[str, bytes] = {
             "zarr.json": zarr_meta.group_json({"hsstore": {"segment": self.segment_id}}),
@@ -276,6 +303,19 @@ class SegmentWriter:
             committed_at=now_iso(),
             padded_rows=self.rows if self.rows != self.tokens else None,
         )
+
+    def _count_flags(self) -> None:
+        """Each sample's zero and non-finite row counts, from the per-row flags of its shards."""
+        zero = np.concatenate([z for z, _ in self._row_flags])
+        nonfinite = np.concatenate([n for _, n in self._row_flags])
+        zero_before = np.concatenate([[0], np.cumsum(zero)])
+        nonfinite_before = np.concatenate([[0], np.cumsum(nonfinite)])
+        for sample in self._samples:
+            lo, hi = sample.row_offset, sample.row_offset + sample.num_tokens
+            sample.flags = RowFlags(
+                zero_rows=int(zero_before[hi] - zero_before[lo]),
+                nonfinite_rows=int(nonfinite_before[hi] - nonfinite_before[lo]),
+            )
 
     def sample_ids(self) -> list[str]:
         return [s.sample_id for s in self._samples]

@@ -170,28 +170,53 @@ class StatsAccumulator:
 
     def update(self, stored: np.ndarray) -> RowFlags:
         """``stored``: one sample's states [T, L, H] in the storage dtype."""
+        zero, nonfinite = self._update_rows(stored, None)
+        return RowFlags(zero_rows=int(zero.sum()), nonfinite_rows=int(nonfinite.sum()))
+
+    def update_block(
+        self, stored: np.ndarray, real: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [N, L, H] of several samples at once (a writer's shard buffer): the same totals
+        as `update` on each sample in turn, up to the order of float64 additions, for a
+        fraction of the per-call overhead on small samples. ``real``: which rows belong to a
+        sample (False for alignment padding; None = all). Returns per row whether it is all
+        zeros, or holds a NaN/Inf, in some layer (so the caller can count per sample)."""
+        return self._update_rows(stored, real)
+
+    def _update_rows(
+        self, stored: np.ndarray, real: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         idtype, abs_mask, nonfinite_at, mantissa, bias, float_dtype = _BITS[self.dtype_name]
         bits = torch.from_numpy(stored.view(idtype))
-        t, n_layers, hidden = bits.shape
+        n_layers, hidden = bits.shape[1:]
         rowmax = self._row_absmax(bits, stored.view(_UNSIGNED[self.dtype_name]))  # [T, L]
         nonfinite = rowmax >= nonfinite_at
         zero = rowmax == 0
-        good = ~nonfinite & ~zero
+        if real is not None:  # padding rows are neither zero rows nor anything else
+            nonfinite &= real[:, None]
+            zero &= real[:, None]
+        good = ~nonfinite & ~zero if real is None else ~nonfinite & ~zero & real[:, None]
         exps = (rowmax >> mantissa).astype(np.int64) - bias
         bins = np.clip(exps, HIST_MIN_EXP, HIST_MAX_EXP) - HIST_MIN_EXP
         # One bincount for all layers: layer j's bins are offset by j * HIST_BINS.
         self._hist += np.bincount(
             (bins + self._layer_offsets)[good], minlength=n_layers * HIST_BINS
         ).reshape(n_layers, HIST_BINS)
+        t = rowmax.shape[0] if real is None else int(np.count_nonzero(real))
         self._rows += t
         self._zero += zero.sum(axis=0)
         self._nonfinite += nonfinite.sum(axis=0)
 
+        # Every sample_every-th real row, counted across calls.
         start = (-self._phase) % self.sample_every
         self._phase = (self._phase + t) % self.sample_every
-        ok = torch.from_numpy(~nonfinite[start :: self.sample_every])  # [t', L]
+        if real is None:
+            picked: slice | np.ndarray = slice(start, None, self.sample_every)
+        else:
+            picked = np.flatnonzero(real)[start :: self.sample_every]
+        ok = torch.from_numpy(np.ascontiguousarray(~nonfinite[picked]))  # [t', L]
         if ok.shape[0]:
-            values = self._sampled_floats(bits[start :: self.sample_every].view(float_dtype))
+            values = self._sampled_floats(bits[picked].view(float_dtype))
             # Reduce each row in float32 first, then drop rows holding NaN/Inf and add up in
             # float64.
             okf = ok.double()
@@ -208,9 +233,7 @@ class StatsAccumulator:
             self._sumsq = np.where(has, self._sumsq + sumsqs, self._sumsq)
             self._min = np.where(has, np.minimum(self._min, mins), self._min)
             self._max = np.where(has, np.maximum(self._max, maxs), self._max)
-        return RowFlags(
-            zero_rows=int(zero.any(axis=1).sum()), nonfinite_rows=int(nonfinite.any(axis=1).sum())
-        )
+        return zero.any(axis=1), nonfinite.any(axis=1)
 
     def _row_absmax(self, signed: torch.Tensor, unsigned: np.ndarray) -> np.ndarray:
         """Per-row max of the magnitude bits (sign cleared) of [T, L, H] sign-magnitude floats.

@@ -103,3 +103,46 @@ def test_stats_equal_the_reference_bit_for_bit(dtype):
     assert json.dumps(ours.to_json()) == json.dumps(ref.to_json())
     layers = ours.to_json()["layers"]
     assert all(math.isfinite(s["sum"]) and s["sampled_values"] > 0 for s in layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_stats_equal_per_sample_stats(dtype):
+    """The writer counts a whole shard at once (padding rows between samples left out): the
+    same counts, histogram, extremes and sampled rows as sample by sample; sums differ only in
+    the order of float64 additions."""
+    name = str(dtype).removeprefix("torch.")
+    g = torch.Generator().manual_seed(7)
+    per_sample, ref = StatsAccumulator(3, name), ReferenceStats(3, name)
+    lengths = [1, 7, 300, 5, 64, 1000, 3, 9]
+    samples = []
+    for t in lengths:
+        x = hostile_sample(g, t, dtype)
+        samples.append((x.view(torch.int16) if dtype == torch.bfloat16 else x).numpy())
+    flags = [per_sample.update(s) for s in samples]
+    for s in samples:
+        ref.update(s)
+    # Two "shards": samples with zero padding rows between them, split mid-sample.
+    pad = np.zeros((5, 3, 96), samples[0].dtype)
+    rows = np.concatenate([part for s in samples for part in (s, pad)])
+    real = np.concatenate([np.repeat([True, False], [len(s), len(pad)]) for s in samples])
+    block = StatsAccumulator(3, name)
+    cut = 700
+    pieces = [
+        block.update_block(rows[:cut], real[:cut]),
+        block.update_block(rows[cut:], real[cut:]),
+    ]
+    zero = np.concatenate([z for z, _ in pieces])[real]
+    nonfinite = np.concatenate([n for _, n in pieces])[real]
+    at = 0
+    for t, f in zip(lengths, flags, strict=True):
+        assert (int(zero[at : at + t].sum()), int(nonfinite[at : at + t].sum())) == (
+            f.zero_rows,
+            f.nonfinite_rows,
+        )
+        at += t
+    for got, want in zip(block.to_json()["layers"], ref.to_json()["layers"], strict=True):
+        for key in ("rows", "zero_rows", "nonfinite_rows", "sampled_values", "min", "max",
+                    "rowmax_hist"):  # fmt: skip
+            assert got[key] == want[key], key
+        assert got["sum"] == pytest.approx(want["sum"], rel=1e-12)
+        assert got["sumsq"] == pytest.approx(want["sumsq"], rel=1e-12)
