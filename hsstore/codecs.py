@@ -235,7 +235,11 @@ class ChunkCodec:
         if self.config.compressed:
             if len(body) < _BLOSC_HEADER.size:
                 raise IntegrityError("chunk is shorter than a blosc header", path=what)
-            _, _, _, _, decoded, _, _ = _BLOSC_HEADER.unpack_from(body)
+            _, _, _, _, decoded, _, cbytes = _BLOSC_HEADER.unpack_from(body)
+            if cbytes != len(body):  # c-blosc would read a frame of cbytes from this buffer
+                raise IntegrityError(
+                    f"chunk is {len(body)} bytes, its blosc header says {cbytes}", path=what
+                )
         else:
             decoded = len(body)
         if decoded != nbytes:

@@ -40,7 +40,7 @@ def _sample_rows(ds: hsstore.Dataset, sid: str) -> tuple[int, int]:
     return row, row + ds.num_tokens_of(i)
 
 
-@pytest.mark.parametrize("codec", ["blosc-zstd", "none"])
+@pytest.mark.parametrize("codec", ["split-zstd", "blosc-zstd", "none"])
 def test_flipped_byte_in_chunk(tmp_path, codec):
     ds = _build(tmp_path / "ds", codec)
     shard = _shards(ds)[0]
@@ -176,3 +176,30 @@ def test_shard_index_with_valid_crc_but_wrong_sizes_is_refused(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(hsstore.IntegrityError, match="raw chunk"):
         hsstore.open(tmp_path / "ds", verify_reads=False).get("s0")
+
+
+@pytest.mark.parametrize("field, reason", [(4, "decodes to"), (12, "blosc header says")])
+def test_blosc_header_that_disagrees_with_the_chunk_is_refused(tmp_path, field, reason):
+    """A chunk whose crc32c is intact but whose blosc header claims another decoded size or
+    frame length is refused before c-blosc reads it."""
+    import struct
+
+    import numpy as np
+
+    from hsstore.codecs import crc32c
+
+    ds = _build(tmp_path / "ds", "split-zstd")
+    shard = _shards(ds)[0]
+    data = bytearray(shard.read_bytes())
+    n = ds.manifest.layout.chunks_per_shard
+    index = np.frombuffer(bytes(data[-(16 * n + 4) : -4]), dtype="<u8").reshape(n, 2)
+    offset, nbytes = (int(v) for v in index[0])
+    value = struct.unpack_from("<I", data, offset + field)[0]
+    struct.pack_into("<I", data, offset + field, value + 16)
+    body = bytes(data[offset : offset + nbytes - 4])
+    struct.pack_into("<I", data, offset + nbytes - 4, crc32c(body))
+    shard.write_bytes(bytes(data))
+    with pytest.raises(hsstore.IntegrityError, match=reason):
+        hsstore.open(tmp_path / "ds", verify_reads=False).get("s0")
+    report = hsstore.verify(tmp_path / "ds")
+    assert "s0" in report.bad_samples and any(reason in p.reason for p in report.problems)
