@@ -379,6 +379,39 @@ class Dataset:
         mask = reader.column("loss_mask")[row : row + n].astype(np.int64)
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
+    def read_tokens_many(
+        self, positions: Sequence[int] | np.ndarray, takes: Sequence[int] | np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) as int64 of the first ``takes[k]`` tokens of sample
+        ``positions[k]``, for every k, back to back: a batch's token columns in one gather per
+        segment instead of one `read_tokens` per sample."""
+        index = self._index
+        pos = np.asarray(positions, dtype=np.int64)
+        count = np.asarray(takes, dtype=np.int64)
+        if pos.shape != count.shape or pos.ndim != 1:
+            raise ValueError("positions and takes must be 1-d and of the same length")
+        n = len(self)
+        if pos.size and not (-n <= pos.min() and pos.max() < n):
+            bad = int(pos[(pos < -n) | (pos >= n)][0])
+            raise IndexError(f"sample {bad} out of range for a dataset of {n} samples")
+        pos = pos % max(n, 1)
+        if np.any((count < 0) | (count > index.len[pos])):
+            k = int(np.flatnonzero((count < 0) | (count > index.len[pos]))[0])
+            raise ValueError(
+                f"cannot take {int(count[k])} tokens of sample {self.sample_ids[int(pos[k])]!r} "
+                f"({int(index.len[pos[k]])} tokens)"
+            )
+        before = np.cumsum(count) - count
+        rows = np.repeat(index.row[pos] - before, count) + np.arange(int(count.sum()))
+        segments = np.repeat(index.segment[pos], count)
+        ids = np.empty(len(rows), dtype=np.int64)
+        mask = np.empty(len(rows), dtype=np.int64)
+        for seg in np.unique(segments).tolist():
+            reader, sel = self._readers[seg], segments == seg
+            ids[sel] = reader.column("input_ids")[rows[sel]]
+            mask[sel] = reader.column("loss_mask")[rows[sel]]
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
     ) -> torch.Tensor:

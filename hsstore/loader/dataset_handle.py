@@ -133,6 +133,13 @@ class DatasetSource:
         """(input_ids, loss_mask) of sample ``i`` as int64, without decoding hidden states."""
         return self.ds.read_tokens(i)
 
+    def read_tokens_many(
+        self, positions: np.ndarray, takes: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of the first ``takes[k]`` tokens of every sample
+        ``positions[k]``, back to back, as int64 (a batch's token columns in one call)."""
+        return self.ds.read_tokens_many(positions, takes)
+
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
 
