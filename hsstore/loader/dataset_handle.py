@@ -90,6 +90,7 @@ class DatasetSource:
         self.num_tokens = np.asarray(index.column("num_tokens").to_numpy(), dtype=np.int64)
         self.segments = np.asarray(index.column("segment").to_numpy(), dtype=np.int64)
         self.layers = list(ds.layers)
+        self._all_layers = list(range(len(self.layers)))
         man = ds.manifest
         self.hidden_size = man.hidden_size
         # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
@@ -146,7 +147,7 @@ class DatasetSource:
         All layers in storage order are asked for as ``layers=None``: the core then also checks
         the whole-sample checksum.
         """
-        whole = layers == list(range(len(self.layers)))
+        whole = layers == self._all_layers
         self.ds.read_hidden_into(i, out, layers=None if whole else layers)
 
 

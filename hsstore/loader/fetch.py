@@ -61,8 +61,9 @@ def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> b
 
 _FIRST_POLL_S = 0.001
 _END = object()
-# One sample to decode: (storage position, stored tokens, row, first token, tokens taken).
-_Placed = tuple[int, int, int, int, int]
+# One sample to decode: (storage position, stored tokens, first row in the batch's flattened
+# [B * T] tokens, tokens taken).
+_Placed = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -170,29 +171,37 @@ class BatchFetcher:
                     buf = self._new_buffers(b * t)
                 raw = buf.view(b, t, tokens.tolist(), samples.tolist())
                 places = placements(self.shape.packed, tokens)
-                fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
-                input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
-                write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
-                todo = self._decode_order(samples, places)
+                todo = self._decode_order(samples, places, t)
+                tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
                 futures = [
-                    self._pool.submit(self._decode_claimed, raw, todo)
+                    self._pool.submit(self._decode_claimed, tokens_rows, todo)
                     for _ in range(min(self._num_threads, len(todo)))
                 ]
+                try:  # while the samples decode (padding and token columns lie elsewhere)
+                    fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
+                    input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
+                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
+                except BaseException:
+                    todo.clear()
+                    raise
                 if not self._put((buf, raw, futures)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(exc)
 
-    def _decode_order(self, samples: np.ndarray, places: Placements) -> deque[_Placed]:
-        """The batch's samples in storage order, with where each one lands."""
+    def _decode_order(
+        self, samples: np.ndarray, places: Placements, seq_len: int
+    ) -> deque[_Placed]:
+        """The batch's samples in storage order, each with the row of the batch's flattened
+        ``[B * T]`` tokens where it starts."""
         order = np.argsort(samples, kind="stable")
+        first_rows = places.rows[order] * seq_len + places.starts[order]
         return deque(
             zip(
                 samples[order].tolist(),
                 self.source.num_tokens[samples[order]].tolist(),
-                places.rows[order].tolist(),
-                places.starts[order].tolist(),
+                first_rows.tolist(),
                 places.takes[order].tolist(),
             )
         )
@@ -219,16 +228,17 @@ class BatchFetcher:
     def _put(self, item: object) -> bool:
         return put_unless_stopped(self._out, item, self._stop)
 
-    def _decode_claimed(self, raw: RawBatch, todo: deque[_Placed]) -> None:
-        """Decode samples of ``raw`` claimed from ``todo`` until none is left (``popleft`` is
-        atomic, so the batch's tasks share the work without a lock) or the fetcher stops."""
+    def _decode_claimed(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> None:
+        """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
+        ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
+        share the work without a lock) or the fetcher stops."""
         try:
             while todo and not self._stop.is_set():
                 try:
-                    i, full, row, start, take = todo.popleft()
+                    i, full, first, take = todo.popleft()
                 except IndexError:  # another task took the last one
                     return
-                self._decode(raw.hidden[row, start : start + take], i, full)
+                self._decode(tokens_rows[first : first + take], i, full)
         except BaseException:
             todo.clear()  # the batch is lost: its other tasks stop at their next claim
             raise
