@@ -403,7 +403,13 @@ class Dataset:
             )
         before = np.cumsum(count) - count
         rows = np.repeat(index.row[pos] - before, count) + np.arange(int(count.sum()))
-        segments = np.repeat(index.segment[pos], count)
+        sample_segments = index.segment[pos]
+        if len(pos) and (sample_segments == sample_segments[0]).all():  # the usual batch
+            reader = self._readers[int(sample_segments[0])]
+            ids = reader.column("input_ids")[rows].astype(np.int64)
+            mask = reader.column("loss_mask")[rows].astype(np.int64)
+            return torch.from_numpy(ids), torch.from_numpy(mask)
+        segments = np.repeat(sample_segments, count)
         ids = np.empty(len(rows), dtype=np.int64)
         mask = np.empty(len(rows), dtype=np.int64)
         for seg in np.unique(segments).tolist():

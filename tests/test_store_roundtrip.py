@@ -112,6 +112,9 @@ def test_read_tokens_many_is_the_per_sample_heads_back_to_back(tmp_path):
     assert ids.dtype == mask.dtype == torch.int64
     assert torch.equal(ids, torch.cat([h[0][:k] for h, k in zip(heads, takes)]))
     assert torch.equal(mask, torch.cat([h[1][:k] for h, k in zip(heads, takes)]))
+    ids, mask = ds.read_tokens_many([3, 2], [2, 9])  # one segment
+    assert torch.equal(ids, torch.cat([ds.read_tokens(3)[0][:2], ds.read_tokens(2)[0]]))
+    assert torch.equal(mask, torch.cat([ds.read_tokens(3)[1][:2], ds.read_tokens(2)[1]]))
     with pytest.raises(IndexError, match="sample 6 out of range"):
         ds.read_tokens_many([0, 6], [1, 1])
     with pytest.raises(ValueError, match="cannot take 5 tokens of sample 's1'"):

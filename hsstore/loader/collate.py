@@ -91,7 +91,13 @@ class HostBuffers:
         # token), so every field of a batch lives in these two allocations.
         self.tokens = torch.zeros(len(TOKEN_KEYS) + 2, capacity, dtype=torch.int64, pin_memory=pin)
 
-    def view(self, b: int, t: int, lengths: Sequence[int], samples: Sequence[int]) -> RawBatch:
+    def view(
+        self,
+        b: int,
+        t: int,
+        lengths: Sequence[int] | np.ndarray | torch.Tensor,
+        samples: Sequence[int] | np.ndarray | torch.Tensor,
+    ) -> RawBatch:
         """A RawBatch of shape [b, t] over the front of these buffers."""
         if b * t > self.capacity:
             raise ValueError(f"batch of {b}x{t} tokens exceeds buffer capacity {self.capacity}")

@@ -169,7 +169,7 @@ class BatchFetcher:
                         return
                 else:
                     buf = self._new_buffers(b * t)
-                raw = buf.view(b, t, tokens.tolist(), samples.tolist())
+                raw = buf.view(b, t, tokens, samples)
                 places = placements(self.shape.packed, tokens)
                 todo = self._decode_order(samples, places, t)
                 tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
