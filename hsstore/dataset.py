@@ -385,37 +385,24 @@ class Dataset:
         """(input_ids, loss_mask) as int64 of the first ``takes[k]`` tokens of sample
         ``positions[k]``, for every k, back to back: a batch's token columns in one gather per
         segment instead of one `read_tokens` per sample."""
-        index = self._index
-        pos = np.asarray(positions, dtype=np.int64)
-        count = np.asarray(takes, dtype=np.int64)
+        index, n = self._index, len(self)
+        pos, count = np.asarray(positions, np.int64), np.asarray(takes, np.int64)
         if pos.shape != count.shape or pos.ndim != 1:
             raise ValueError("positions and takes must be 1-d and of the same length")
-        n = len(self)
-        if pos.size and not (-n <= pos.min() and pos.max() < n):
-            bad = int(pos[(pos < -n) | (pos >= n)][0])
-            raise IndexError(f"sample {bad} out of range for a dataset of {n} samples")
-        pos = pos % max(n, 1)
-        if np.any((count < 0) | (count > index.len[pos])):
-            k = int(np.flatnonzero((count < 0) | (count > index.len[pos]))[0])
-            raise ValueError(
-                f"cannot take {int(count[k])} tokens of sample {self.sample_ids[int(pos[k])]!r} "
-                f"({int(index.len[pos[k]])} tokens)"
-            )
-        before = np.cumsum(count) - count
-        rows = np.repeat(index.row[pos] - before, count) + np.arange(int(count.sum()))
-        sample_segments = index.segment[pos]
-        if len(pos) and (sample_segments == sample_segments[0]).all():  # the usual batch
-            reader = self._readers[int(sample_segments[0])]
-            ids = reader.column("input_ids")[rows].astype(np.int64)
-            mask = reader.column("loss_mask")[rows].astype(np.int64)
-            return torch.from_numpy(ids), torch.from_numpy(mask)
-        segments = np.repeat(sample_segments, count)
-        ids = np.empty(len(rows), dtype=np.int64)
-        mask = np.empty(len(rows), dtype=np.int64)
-        for seg in np.unique(segments).tolist():
-            reader, sel = self._readers[seg], segments == seg
-            ids[sel] = reader.column("input_ids")[rows[sel]]
-            mask[sel] = reader.column("loss_mask")[rows[sel]]
+        for k in np.flatnonzero((pos < -n) | (pos >= n))[:1].tolist():
+            raise IndexError(f"sample {int(pos[k])} out of range for a dataset of {n} samples")
+        pos %= max(n, 1)
+        for k in np.flatnonzero((count < 0) | (count > index.len[pos]))[:1].tolist():
+            sid, has = self.sample_ids[int(pos[k])], int(index.len[pos[k]])
+            raise ValueError(f"cannot take {int(count[k])} tokens of sample {sid!r} ({has} tokens)")
+        rows = np.repeat(index.row[pos] - (np.cumsum(count) - count), count)
+        rows += np.arange(len(rows))
+        ids, mask = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
+        segments = np.unique(index.segment[pos]).tolist()
+        for seg in segments:  # usually one: then no masks
+            sel = slice(None) if len(segments) == 1 else np.repeat(index.segment[pos], count) == seg
+            ids[sel] = self._readers[seg].column("input_ids")[rows[sel]]
+            mask[sel] = self._readers[seg].column("loss_mask")[rows[sel]]
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
     def read_hidden_into(

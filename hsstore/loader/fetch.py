@@ -3,11 +3,11 @@
 The core reader does its file reads (``preadv``) and blosc decoding outside the GIL, so
 threads scale with cores without the pickling and shared-memory copies of worker processes.
 A producer thread walks the plan; each batch takes a free buffer from a small ring (or a fresh
-one when buffers cannot be reused), writes its padding and all its token columns at once, and
-queues one decode task per thread (not per sample: on small samples a future, a thread
-wake-up and a GIL hand-off per sample cost as much as the decoding). The tasks claim the
-batch's samples one at a time, in storage order, so a chunk that two neighbouring samples
-share is decoded once and the file is read forwards.
+one when buffers cannot be reused) and queues one decode task per thread, not one per sample:
+on small samples a future, a thread wake-up and a GIL hand-off per sample cost as much as
+reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
+chunk that two neighbouring samples share is decoded once and files are read forwards. While
+they run, the producer writes the batch's padding and gathers all its token columns at once.
 At most ``prefetch`` batches wait in the output queue, so memory is bounded by
 ``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
 
