@@ -385,6 +385,32 @@ class Dataset:
         mask = reader.column("loss_mask")[row : row + n].astype(np.int64)
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
+    def read_tokens_many(
+        self, positions: Sequence[int] | np.ndarray, takes: Sequence[int] | np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) as int64 of the first ``takes[k]`` tokens of sample
+        ``positions[k]``, for every k, back to back: a batch's token columns in one gather per
+        segment instead of one `read_tokens` per sample."""
+        index, n = self._index, len(self)
+        pos, count = np.asarray(positions, np.int64), np.asarray(takes, np.int64)
+        if pos.shape != count.shape or pos.ndim != 1:
+            raise ValueError("positions and takes must be 1-d and of the same length")
+        for k in np.flatnonzero((pos < -n) | (pos >= n))[:1].tolist():
+            raise IndexError(f"sample {int(pos[k])} out of range for a dataset of {n} samples")
+        pos %= max(n, 1)
+        for k in np.flatnonzero((count < 0) | (count > index.len[pos]))[:1].tolist():
+            sid, has = self.sample_ids[int(pos[k])], int(index.len[pos[k]])
+            raise ValueError(f"cannot take {int(count[k])} tokens of sample {sid!r} ({has} tokens)")
+        rows = np.repeat(index.row[pos] - (np.cumsum(count) - count), count)
+        rows += np.arange(len(rows))
+        ids, mask = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
+        segments = np.unique(index.segment[pos]).tolist()
+        for seg in segments:  # usually one: then no masks
+            sel = slice(None) if len(segments) == 1 else np.repeat(index.segment[pos], count) == seg
+            ids[sel] = self._readers[seg].column("input_ids")[rows[sel]]
+            mask[sel] = self._readers[seg].column("loss_mask")[rows[sel]]
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
     ) -> torch.Tensor:

@@ -342,3 +342,70 @@ def test_device_batches_equal_dataset_bytes(ds):
         _check_batch_values(ds, {k: v.cpu() for k, v in batch.items()})
         seen.extend(batch["sample_index"].tolist())
     assert sorted(seen) == list(range(len(ds)))
+
+
+class _DecodeSpy:
+    """Records the samples a loader's decode threads read and the tasks they ran them in."""
+
+    def __init__(self, loader: Loader, monkeypatch):
+        self.reads: list[int] = []
+        self.tasks = 0
+        read = loader.source.read_hidden_into
+
+        def reading(i, out, layers):
+            self.reads.append(i)
+            read(i, out, layers)
+
+        loader.source.read_hidden_into = reading  # type: ignore[method-assign]
+        claimed = BatchFetcher._decode_claimed
+
+        def counting(fetcher, rows, todo):
+            self.tasks += 1
+            claimed(fetcher, rows, todo)
+
+        monkeypatch.setattr(BatchFetcher, "_decode_claimed", counting)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_decodes_in_one_task_per_thread_in_storage_order(ds, monkeypatch, threads):
+    loader = Loader(ds.path, max_tokens=MAX_TOKENS, seed=5)
+    spy = _DecodeSpy(loader, monkeypatch)
+    plan = loader.plan()
+    fetcher = BatchFetcher(
+        loader.source, loader.choice, loader.shape, iter(plan), num_threads=threads
+    )
+    batches = []
+    for raw in fetcher:
+        _check_batch_values(ds, as_eagle3(raw, loader.choice))
+        batches.append(raw.sample_index.tolist())
+    assert batches == [plan.batch(j)[0].tolist() for j in range(len(plan))]
+    assert sorted(spy.reads) == sorted(i for b in batches for i in b)  # each sample once
+    assert spy.tasks == sum(min(threads, len(b)) for b in batches)
+    if threads == 1:  # one thread reads each batch forwards through the storage
+        assert spy.reads == [i for b in batches for i in sorted(b)]
+        assert any(b != sorted(b) for b in batches)  # the plan's own order is another
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_corrupted_sample_is_named_by_the_loader(tmp_path, threads):
+    bad = _write(tmp_path / "bad", [12], seed=2, codec="none")
+    (shard,) = Path(bad.path).rglob("states/c/0/0/0")  # one raw chunk: rows from byte 0
+    data = bytearray(shard.read_bytes())
+    at = (int(bad.index.column("row_offset")[6]) + 1) * len(LAYERS) * H * 2  # sample 6's 2nd row
+    data[at : at + 8] = bytes(b ^ 0xFF for b in data[at : at + 8])
+    shard.write_bytes(bytes(data))
+    fresh = hsstore.open(bad.path)
+    failing = []
+    for i in range(len(fresh)):
+        out = torch.empty(fresh.num_tokens_of(i), len(LAYERS), H, dtype=torch.bfloat16)
+        try:
+            fresh.read_hidden_into(i, out)
+        except IntegrityError:
+            failing.append(fresh.sample_ids[i])
+    assert failing == [bad.sample_ids[6]]
+    loader = Loader(bad.path, max_tokens=MAX_TOKENS, shuffle=False, num_threads=threads)
+    with pytest.raises(IntegrityError, match="sample checksum mismatch") as caught:
+        for _ in loader:
+            pass
+    assert caught.value.sample_id == failing[0]
+    assert repr(failing[0]) in str(caught.value)

@@ -93,6 +93,34 @@ def test_read_into_reuses_caller_buffer(tmp_path):
         ds.read_hidden_into(0, torch.empty(49, 2, 32, dtype=torch.bfloat16))
 
 
+def test_read_tokens_many_is_the_per_sample_heads_back_to_back(tmp_path):
+    ds = hsstore.create(tmp_path / "ds", layers=_layers(1), hidden_size=8, dtype="bfloat16")
+    lengths = [5, 1, 9, 4, 7, 3]
+    k = 0
+    for part in (lengths[:2], lengths[2:5], lengths[5:]):  # three segments
+        with ds.writer() as w:
+            for t in part:
+                ids, mask, hid = random_sample(t, 1, 8, seed=k)
+                w.add(f"s{k}", ids, mask, hid)
+                k += 1
+    ds = hsstore.open(tmp_path / "ds")
+    assert len(ds) == len(lengths) and len(ds.manifest.segments) == 3
+    positions = [4, 0, 5, 2, -1, 1]
+    takes = [7, 2, 0, 9, 3, 1]
+    ids, mask = ds.read_tokens_many(positions, takes)
+    heads = [ds.read_tokens(i) for i in positions]
+    assert ids.dtype == mask.dtype == torch.int64
+    assert torch.equal(ids, torch.cat([h[0][:k] for h, k in zip(heads, takes)]))
+    assert torch.equal(mask, torch.cat([h[1][:k] for h, k in zip(heads, takes)]))
+    ids, mask = ds.read_tokens_many([3, 2], [2, 9])  # one segment
+    assert torch.equal(ids, torch.cat([ds.read_tokens(3)[0][:2], ds.read_tokens(2)[0]]))
+    assert torch.equal(mask, torch.cat([ds.read_tokens(3)[1][:2], ds.read_tokens(2)[1]]))
+    with pytest.raises(IndexError, match="sample 6 out of range"):
+        ds.read_tokens_many([0, 6], [1, 1])
+    with pytest.raises(ValueError, match="cannot take 5 tokens of sample 's1'"):
+        ds.read_tokens_many([1], [5])
+
+
 def test_get_by_id_contains_and_iteration(tmp_path):
     ds = hsstore.create(tmp_path / "ds", layers=_layers(1), hidden_size=8, dtype="float16")
     with ds.writer() as w:

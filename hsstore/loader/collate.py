@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from hsstore.loader.dataset_handle import LayerChoice
@@ -90,7 +91,13 @@ class HostBuffers:
         # token), so every field of a batch lives in these two allocations.
         self.tokens = torch.zeros(len(TOKEN_KEYS) + 2, capacity, dtype=torch.int64, pin_memory=pin)
 
-    def view(self, b: int, t: int, lengths: Sequence[int], samples: Sequence[int]) -> RawBatch:
+    def view(
+        self,
+        b: int,
+        t: int,
+        lengths: Sequence[int] | np.ndarray | torch.Tensor,
+        samples: Sequence[int] | np.ndarray | torch.Tensor,
+    ) -> RawBatch:
         """A RawBatch of shape [b, t] over the front of these buffers."""
         if b * t > self.capacity:
             raise ValueError(f"batch of {b}x{t} tokens exceeds buffer capacity {self.capacity}")
@@ -112,35 +119,44 @@ class HostBuffers:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where sample ``k`` of a batch goes: row, first token, tokens taken."""
+class Placements:
+    """Where each sample of a batch goes: its row, first token and tokens taken (one entry per
+    sample, in batch order)."""
 
-    row: int
-    start: int
-    take: int
+    rows: np.ndarray  # int64
+    starts: np.ndarray  # int64
+    takes: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.takes)
+
+    def token_slots(self, seq_len: int) -> np.ndarray:
+        """The flat ``[B * T]`` slot of every placed token, sample after sample."""
+        before = np.cumsum(self.takes) - self.takes  # tokens of the samples placed earlier
+        firsts = self.rows * seq_len + self.starts
+        return np.repeat(firsts - before, self.takes) + np.arange(int(self.takes.sum()))
 
 
-def placements(packed: bool, tokens: Sequence[int]) -> list[Placement]:
+def placements(packed: bool, tokens: np.ndarray) -> Placements:
     """Packed: one row, samples back to back. Padded: one row per sample, from token 0."""
-    out, start = [], 0
-    for k, n in enumerate(tokens):
-        if packed:
-            out.append(Placement(0, start, int(n)))
-            start += int(n)
-        else:
-            out.append(Placement(k, 0, int(n)))
-    return out
+    takes = np.asarray(tokens, dtype=np.int64)
+    if packed:
+        rows = np.zeros_like(takes)
+        starts = np.cumsum(takes) - takes
+    else:
+        rows = np.arange(len(takes), dtype=np.int64)
+        starts = np.zeros_like(takes)
+    return Placements(rows, starts, takes)
 
 
-def fill_padding(raw: RawBatch, places: list[Placement], packed: bool, pad_token_id: int) -> None:
+def fill_padding(raw: RawBatch, places: Placements, packed: bool, pad_token_id: int) -> None:
     """Write pad values everywhere no sample lands (buffers are reused: stale data otherwise)."""
     b, t = raw.input_ids.shape
     if packed:
-        used = places[-1].start + places[-1].take if places else 0
-        _pad_row(raw, 0, used, pad_token_id)
+        _pad_row(raw, 0, int(places.takes.sum()), pad_token_id)
     else:
-        for p in places:
-            _pad_row(raw, p.row, p.take, pad_token_id)
+        for row, take in enumerate(places.takes.tolist()):
+            _pad_row(raw, row, take, pad_token_id)
         for row in range(len(places), b):
             _pad_row(raw, row, 0, pad_token_id)
 
@@ -156,14 +172,31 @@ def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int) -> None:
 
 
 def write_tokens(
-    raw: RawBatch, p: Placement, doc: int, input_ids: torch.Tensor, loss_mask: torch.Tensor
+    raw: RawBatch,
+    places: Placements,
+    packed: bool,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
 ) -> None:
-    """Token columns of one placed sample (truncated to ``p.take``)."""
-    sl = slice(p.start, p.start + p.take)
-    raw.input_ids[p.row, sl] = input_ids[: p.take]
-    raw.loss_mask[p.row, sl] = loss_mask[: p.take]
-    raw.position_ids[p.row, sl] = torch.arange(p.take)
-    raw.document_ids[p.row, sl] = doc
+    """Token columns of every placed sample at once: ``input_ids`` and ``loss_mask`` hold the
+    taken tokens of the samples back to back, in batch order. Document ids number the samples
+    of a row (packed rows hold many)."""
+    takes = places.takes
+    total = int(takes.sum())
+    before = np.cumsum(takes) - takes
+    positions = torch.from_numpy(np.arange(total) - np.repeat(before, takes))
+    docs = torch.from_numpy(
+        np.repeat(np.arange(len(takes)) if packed else np.zeros_like(takes), takes)
+    )
+    columns = ((raw.input_ids, input_ids), (raw.loss_mask, loss_mask),
+               (raw.position_ids, positions), (raw.document_ids, docs))  # fmt: skip
+    if packed:  # the samples fill the front of row 0
+        for dst, src in columns:
+            dst[0, :total] = src
+        return
+    slots = torch.from_numpy(places.token_slots(raw.input_ids.shape[1]))
+    for dst, src in columns:
+        dst.view(-1).index_copy_(0, slots, src)
 
 
 # --- collation of per-sample dicts (map-style dataset + any DataLoader) -------------------------

@@ -90,6 +90,7 @@ class DatasetSource:
         self.num_tokens = np.asarray(index.column("num_tokens").to_numpy(), dtype=np.int64)
         self.segments = np.asarray(index.column("segment").to_numpy(), dtype=np.int64)
         self.layers = list(ds.layers)
+        self._all_layers = list(range(len(self.layers)))
         man = ds.manifest
         self.hidden_size = man.hidden_size
         # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
@@ -133,13 +134,20 @@ class DatasetSource:
         """(input_ids, loss_mask) of sample ``i`` as int64, without decoding hidden states."""
         return self.ds.read_tokens(i)
 
+    def read_tokens_many(
+        self, positions: np.ndarray, takes: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of the first ``takes[k]`` tokens of every sample
+        ``positions[k]``, back to back, as int64 (a batch's token columns in one call)."""
+        return self.ds.read_tokens_many(positions, takes)
+
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
 
         All layers in storage order are asked for as ``layers=None``: the core then also checks
         the whole-sample checksum.
         """
-        whole = layers == list(range(len(self.layers)))
+        whole = layers == self._all_layers
         self.ds.read_hidden_into(i, out, layers=None if whole else layers)
 
 

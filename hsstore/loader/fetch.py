@@ -3,7 +3,11 @@
 The core reader does its file reads (``preadv``) and blosc decoding outside the GIL, so
 threads scale with cores without the pickling and shared-memory copies of worker processes.
 A producer thread walks the plan; each batch takes a free buffer from a small ring (or a fresh
-one when buffers cannot be reused), writes its padding, and queues one decode task per sample.
+one when buffers cannot be reused) and queues one decode task per thread, not one per sample:
+on small samples a future, a thread wake-up and a GIL hand-off per sample cost as much as
+reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
+chunk that two neighbouring samples share is decoded once and files are read forwards. While
+they run, the producer writes the batch's padding and gathers all its token columns at once.
 At most ``prefetch`` batches wait in the output queue, so memory is bounded by
 ``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
 
@@ -32,7 +36,7 @@ import torch
 from hsstore.loader.batching import padded_length
 from hsstore.loader.collate import (
     HostBuffers,
-    Placement,
+    Placements,
     RawBatch,
     fill_padding,
     placements,
@@ -57,6 +61,9 @@ def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> b
 
 _FIRST_POLL_S = 0.001
 _END = object()
+# One sample to decode: (storage position, stored tokens, first row in the batch's flattened
+# [B * T] tokens, tokens taken).
+_Placed = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ class BatchFetcher:
         self._held: HostBuffers | None = None
         self._stop = threading.Event()
         self._local = threading.local()
+        self._num_threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hsstore-decode")
         self._thread = threading.Thread(
             target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
@@ -161,19 +169,42 @@ class BatchFetcher:
                         return
                 else:
                     buf = self._new_buffers(b * t)
-                raw = buf.view(b, t, tokens.tolist(), samples.tolist())
-                places = placements(self.shape.packed, tokens.tolist())
-                fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
+                raw = buf.view(b, t, tokens, samples)
+                places = placements(self.shape.packed, tokens)
+                todo = self._decode_order(samples, places, t)
+                tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
                 futures = [
-                    # document ids number the samples of a row: packed rows hold many.
-                    self._pool.submit(self._decode, raw, p, doc if self.shape.packed else 0, int(i))
-                    for doc, (p, i) in enumerate(zip(places, samples.tolist()))
+                    self._pool.submit(self._decode_claimed, tokens_rows, todo)
+                    for _ in range(min(self._num_threads, len(todo)))
                 ]
+                try:  # while the samples decode (padding and token columns lie elsewhere)
+                    fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
+                    input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
+                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
+                except BaseException:
+                    todo.clear()
+                    raise
                 if not self._put((buf, raw, futures)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(exc)
+
+    def _decode_order(
+        self, samples: np.ndarray, places: Placements, seq_len: int
+    ) -> deque[_Placed]:
+        """The batch's samples in storage order, each with the row of the batch's flattened
+        ``[B * T]`` tokens where it starts."""
+        order = np.argsort(samples, kind="stable")
+        first_rows = places.rows[order] * seq_len + places.starts[order]
+        return deque(
+            zip(
+                samples[order].tolist(),
+                self.source.num_tokens[samples[order]].tolist(),
+                first_rows.tolist(),
+                places.takes[order].tolist(),
+            )
+        )
 
     def _take_free(self) -> HostBuffers | None:
         """A free ring buffer, or None once stopped.
@@ -197,12 +228,23 @@ class BatchFetcher:
     def _put(self, item: object) -> bool:
         return put_unless_stopped(self._out, item, self._stop)
 
-    def _decode(self, raw: RawBatch, p: Placement, doc: int, i: int) -> None:
-        ids, mask = self.source.read_tokens(i)
-        write_tokens(raw, p, doc, ids, mask)
-        full = int(self.source.num_tokens[i])
-        dst = raw.hidden[p.row, p.start : p.start + p.take]
-        if p.take == full:
+    def _decode_claimed(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> None:
+        """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
+        ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
+        share the work without a lock) or the fetcher stops."""
+        try:
+            while todo and not self._stop.is_set():
+                try:
+                    i, full, first, take = todo.popleft()
+                except IndexError:  # another task took the last one
+                    return
+                self._decode(tokens_rows[first : first + take], i, full)
+        except BaseException:
+            todo.clear()  # the batch is lost: its other tasks stop at their next claim
+            raise
+
+    def _decode(self, dst: torch.Tensor, i: int, full: int) -> None:
+        if dst.shape[0] == full:
             self.source.read_hidden_into(i, dst, self._layers)
             return
         # Truncated sample: decode whole into a per-thread scratch, keep the head.
@@ -212,7 +254,7 @@ class BatchFetcher:
             scratch = self._local.scratch = torch.empty(need, dtype=dst.dtype)
         whole = scratch[:need].view(full, dst.shape[1], dst.shape[2])
         self.source.read_hidden_into(i, whole, self._layers)
-        dst.copy_(whole[: p.take])
+        dst.copy_(whole[: dst.shape[0]])
 
     # --- consumer side ---------------------------------------------------------------------
 
