@@ -55,6 +55,7 @@ class ShardFlusher:
         self.shape, self.dtype = shape, dtype
         self._buffers: list[np.ndarray | None] = [np.empty(shape, dtype), None]
         self._current = 0
+        self._threads = encode_threads
         self._pool = ThreadPoolExecutor(max_workers=encode_threads)
         self._thread = ThreadPoolExecutor(max_workers=1)
         self._inflight: Future[None] | None = None
@@ -78,7 +79,17 @@ class ShardFlusher:
             inflight.result()
 
     def map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        return list(self._pool.map(fn, items))
+        """``[fn(x) for x in items]``, spread over the encode threads as one task per thread
+        (a contiguous run of items each): a task per item costs two thread hand-offs, as much
+        as encoding a small chunk. With one encode thread it runs here, in the background
+        thread that called it."""
+        n = min(self._threads, len(items))
+        if n <= 1:
+            return [fn(x) for x in items]
+        step = -(-len(items) // n)
+        runs = [items[i : i + step] for i in range(0, len(items), step)]
+        futures = [self._pool.submit(lambda run: [fn(x) for x in run], run) for run in runs]
+        return [y for f in futures for y in f.result()]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
