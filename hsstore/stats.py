@@ -170,7 +170,7 @@ class StatsAccumulator:
 
     def update(self, stored: np.ndarray) -> RowFlags:
         """``stored``: one sample's states [T, L, H] in the storage dtype."""
-        zero, nonfinite = self._update_rows(stored, None)
+        zero, nonfinite = self.update_block(stored, None)
         return RowFlags(zero_rows=int(zero.sum()), nonfinite_rows=int(nonfinite.sum()))
 
     def update_block(
@@ -181,11 +181,6 @@ class StatsAccumulator:
         fraction of the per-call overhead on small samples. ``real``: which rows belong to a
         sample (False for alignment padding; None = all). Returns per row whether it is all
         zeros, or holds a NaN/Inf, in some layer (so the caller can count per sample)."""
-        return self._update_rows(stored, real)
-
-    def _update_rows(
-        self, stored: np.ndarray, real: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
         idtype, abs_mask, nonfinite_at, mantissa, bias, float_dtype = _BITS[self.dtype_name]
         bits = torch.from_numpy(stored.view(idtype))
         n_layers, hidden = bits.shape[1:]
@@ -195,7 +190,9 @@ class StatsAccumulator:
         if real is not None:  # padding rows are neither zero rows nor anything else
             nonfinite &= real[:, None]
             zero &= real[:, None]
-        good = ~nonfinite & ~zero if real is None else ~nonfinite & ~zero & real[:, None]
+        good = ~nonfinite & ~zero
+        if real is not None:
+            good &= real[:, None]
         exps = (rowmax >> mantissa).astype(np.int64) - bias
         bins = np.clip(exps, HIST_MIN_EXP, HIST_MAX_EXP) - HIST_MIN_EXP
         # One bincount for all layers: layer j's bins are offset by j * HIST_BINS.
