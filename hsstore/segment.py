@@ -358,48 +358,57 @@ class SegmentReader:
             self._read_raw_rows(start, stop, out_bytes, hasher)
             return
 
+        # Per-chunk work is kept to the decode itself: shard state is looked up once per shard,
+        # and the location string of a chunk is only built for an error.
+        flat = out_bytes.reshape(-1)
+        rb = out_bytes.shape[1]
+        coalesce = self.storage.coalesce_bytes
         last = (stop - 1) // rpc
         fetched: dict[tuple[int, int], memoryview] = {}
+        shard = -1
         for c in range(start // rpc, last + 1):
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-            shard, local = divmod(c, cps)
-            idx = self.shard_index(shard)
-            key = self._key(paths.shard_relpath(shard))
-            if self.storage.coalesce_bytes and not any((c, j) in fetched for j in by_chunk):
+            if c // cps != shard:
+                shard = c // cps
+                idx = self.shard_index(shard)
+                key = self._key(paths.shard_relpath(shard))
+                where = self.storage.path_of(key)
+                mapped = None if coalesce else self.storage.map(key)
+            if coalesce and not any((c, j) in fetched for j in by_chunk):
                 fetched = self._fetch_chunks(c, last, list(by_chunk))
             for j, positions in by_chunk.items():
-                offset, nbytes = (int(v) for v in idx[local, j])
+                offset, nbytes = idx[c - shard * cps, j].tolist()
                 if offset == zarr_meta.EMPTY:
-                    raise IntegrityError(
-                        f"chunk ({c}, {j}) of committed rows is missing",
-                        path=self.storage.path_of(key),
-                    )
-                what = f"{self.storage.path_of(key)} chunk ({c}, {j})"
-                if whole_rows and lo == crow0 and hi == crow0 + rpc:
-                    encoded = fetched.get((c, j)) or self._read_chunk(key, offset, nbytes)
-                    dst = memoryview(out_bytes[lo - start : hi - start]).cast("B")
-                    self._codec.decode_into(encoded, dst, what=what)
-                    continue  # whole_rows means a single layer chunk: the row loop ends here
-                scratch = self._scratch("chunk", chunk_nbytes)
+                    raise IntegrityError(f"chunk ({c}, {j}) of committed rows is missing", path=where)
+                whole = whole_rows and lo == crow0 and hi == crow0 + rpc
                 # A chunk cut by a sample boundary is usually needed again by the neighbouring
                 # sample: the thread's scratch keeps the last one decoded (chunks never change).
-                if getattr(_THREAD_SCRATCH, "decoded", None) != (self, c, j):
-                    _THREAD_SCRATCH.decoded = None
-                    encoded = fetched.get((c, j)) or self._read_chunk(key, offset, nbytes)
-                    self._codec.decode_into(encoded, scratch, what=what)
+                if whole or getattr(_THREAD_SCRATCH, "decoded", None) != (self, c, j):
+                    encoded = fetched.get((c, j))
+                    if encoded is None:
+                        encoded = self._read_chunk(key, mapped, offset, nbytes)
+                    if whole:
+                        dst = flat[(lo - start) * rb : (hi - start) * rb]
+                    else:
+                        _THREAD_SCRATCH.decoded = None
+                        dst = self._scratch("chunk", chunk_nbytes)
+                    try:
+                        self._codec.decode_into(encoded, dst, what=where)
+                    except IntegrityError as exc:
+                        raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
+                    if whole:
+                        break  # whole_rows means a single layer chunk: the row loop ends here
                     _THREAD_SCRATCH.decoded = (self, c, j)
-                chunk = np.frombuffer(scratch, dtype=man.storage_dtype).reshape(
-                    rpc, lpc, man.hidden_size
-                )
-                rows = chunk[lo - crow0 : hi - crow0]
+                chunk = np.frombuffer(self._scratch("chunk", chunk_nbytes), man.storage_dtype)
+                rows = chunk.reshape(rpc, lpc, man.hidden_size)[lo - crow0 : hi - crow0]
                 if whole_rows:
                     out[lo - start : hi - start] = rows
                 else:
                     for pos, within in positions:
                         out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None:
-                hasher.update(out_bytes[lo - start : hi - start])
+                hasher.update(flat[(lo - start) * rb : (hi - start) * rb])
 
     def _fetch_chunks(
         self, first: int, last: int, layer_chunks: list[int]
@@ -448,7 +457,15 @@ class SegmentReader:
                 pos += nbytes
         return fetched
 
-    def _read_chunk(self, key: str, offset: int, nbytes: int) -> memoryview:
+    def _read_chunk(
+        self, key: str, mapped: memoryview | None, offset: int, nbytes: int
+    ) -> memoryview:
+        """The encoded bytes of one chunk: a view of the shard where the storage maps it
+        (``mapped``, no copy), else read into this thread's scratch."""
+        if mapped is not None:
+            if len(mapped) < offset + nbytes:
+                raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
+            return mapped[offset : offset + nbytes]
         encoded = self._scratch("enc", nbytes)
         if self.storage.read_into(key, offset, encoded) != nbytes:
             raise IntegrityError("shard is truncated", path=self.storage.path_of(key))

@@ -46,3 +46,22 @@ def test_threads_reading_more_files_than_the_descriptor_cache_holds(tmp_path):
         assert all(pool.map(read, range(2000)))
     store.close()
     assert not store._evicted  # every descriptor evicted in use was closed by its last reader
+
+
+def test_memory_maps_show_the_stored_bytes_and_outlive_eviction_and_close(tmp_path):
+    """A view handed out stays valid (and right) after its map leaves the cache or the storage
+    closes; an empty file maps to an empty view."""
+    store = LocalStorage(tmp_path, max_open_files=2)
+    payloads = {
+        f"shard{k}": np.random.default_rng(k).integers(0, 256, 5000 + k, dtype=np.uint8).tobytes()
+        for k in range(4)
+    }
+    for key, data in payloads.items():
+        store.write_file(key, [data])
+    store.write_file("empty", [b""])
+    views = {key: store.map(key) for key in payloads}
+    assert len(store._maps) == 2  # the first two were evicted from the cache
+    store.close()
+    assert all(bytes(views[key]) == data for key, data in payloads.items())
+    assert bytes(store.map("shard0")[100:110]) == payloads["shard0"][100:110]
+    assert len(store.map("empty")) == 0

@@ -76,6 +76,20 @@ def test_truncated_shard(tmp_path):
         hsstore.open(tmp_path / "ds").get(last)
 
 
+def test_shard_shortened_after_its_index_was_read(tmp_path):
+    """Chunks are read through a memory map of the shard: a file that became shorter than the
+    index says is refused with a clear error, never read past its end."""
+    ds = _build(tmp_path / "ds", "split-zstd")
+    before = ds.get("s0").hidden  # loads the shard index and maps the shard
+    ds.close()  # releases the map (a mapped file must not shrink)
+    shard = _shards(ds)[0]
+    shard.write_bytes(shard.read_bytes()[:64])
+    with pytest.raises(hsstore.IntegrityError, match="truncated") as info:
+        ds.get("s0")
+    assert str(shard) in str(info.value)
+    assert before.shape[0] == LENGTHS[0]
+
+
 def test_missing_shard(tmp_path):
     ds = _build(tmp_path / "ds", "blosc-zstd")
     shard = _shards(ds)[1]

@@ -89,6 +89,9 @@ class Contender:
     def open(self) -> None:
         """Called once after writing, before any read."""
 
+    def drop_maps(self) -> None:
+        """Before an eviction: release memory maps of the files (a mapped page stays cached)."""
+
     def read_into(self, i: int, out: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -115,6 +118,9 @@ class Hsstore(Contender):
 
     def open(self) -> None:
         self.ds = hsstore.open(self.root)
+
+    def drop_maps(self) -> None:
+        self.ds.close()  # reopens its files on the next read
 
     def read_into(self, i: int, out: torch.Tensor) -> None:
         self.ds.read_hidden_into(i, out)
@@ -326,6 +332,7 @@ def measure(c: Contender, raw_bytes: int, repeats: int, seed: int) -> Result:
     c.read_into(check, views[check])
     if not torch.equal(views[check].view(torch.uint16), c.samples[check][1].view(torch.uint16)):
         raise AssertionError(f"{c.name} returned different bits for sample {check}")
+    c.drop_maps()
     evict(c.read_dir())
     res.cold_rand = state_bytes / best_of(pass_over(order), 1) / 1e9
     pass_over(list(range(len(views))))()  # warm

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import mmap
 import os
 import shutil
 import threading
@@ -73,6 +74,12 @@ class Storage(abc.ABC):
         into each. A backend may send the requests concurrently; locally they are preads in
         turn, as a single `read_into` each."""
         return [self.read_into(key, offset, buf) for offset, buf in requests]
+
+    def map(self, key: str) -> memoryview | None:
+        """The whole object as a read-only view of its stored bytes, or None where the backend
+        cannot give one without copying. For objects that never change once written (committed
+        shard files) only: the caller checks the view's length against what it expects."""
+        return None
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...
@@ -144,6 +151,9 @@ class LocalStorage(Storage):
         self._fd_lock = threading.Lock()
         self._max_open = max_open_files
         self._pid = os.getpid()
+        # key -> read-only memory map, least recently used first. An evicted map is unmapped
+        # when the last view of it is released, so a reader holding one is never cut off.
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
 
     def _abs(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -194,6 +204,29 @@ class LocalStorage(Storage):
                     break
                 total += n
         return total
+
+    def map(self, key: str) -> memoryview:
+        """A shared read-only memory map of the file, kept open (up to ``max_open_files``).
+
+        Reading through it saves the copy a `read_into` makes from the page cache: crc and
+        decode run on the cached pages themselves. The file must not shrink while mapped (a
+        read of a page past its end would stop the process); committed files never change.
+        """
+        with self._fd_lock:
+            mapped = self._maps.get(key)
+            if mapped is not None:
+                self._maps.move_to_end(key)
+                return memoryview(mapped)
+        with self._fd(key) as fd:
+            size = os.fstat(fd).st_size
+            if not size:  # mmap refuses empty files
+                return memoryview(b"")
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        with self._fd_lock:
+            mapped = self._maps.setdefault(key, mapped)
+            while len(self._maps) > self._max_open:
+                self._maps.popitem(last=False)
+        return memoryview(mapped)
 
     def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
         want = sum(len(b) for b in buffers)
@@ -316,6 +349,7 @@ class LocalStorage(Storage):
                     else:
                         os.close(fd)
             self._fds = OrderedDict()
+            self._maps = OrderedDict()  # unmapped as the last views of each are released
 
     def __getstate__(self) -> dict:
         # Pickled into worker processes: descriptors and locks do not travel.
