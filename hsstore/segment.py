@@ -380,7 +380,9 @@ class SegmentReader:
             for j, positions in by_chunk.items():
                 offset, nbytes = idx[c - shard * cps, j].tolist()
                 if offset == zarr_meta.EMPTY:
-                    raise IntegrityError(f"chunk ({c}, {j}) of committed rows is missing", path=where)
+                    raise IntegrityError(
+                        f"chunk ({c}, {j}) of committed rows is missing", path=where
+                    )
                 whole = whole_rows and lo == crow0 and hi == crow0 + rpc
                 # A chunk cut by a sample boundary is usually needed again by the neighbouring
                 # sample: the thread's scratch keeps the last one decoded (chunks never change).
@@ -396,7 +398,9 @@ class SegmentReader:
                     try:
                         self._codec.decode_into(encoded, dst, what=where)
                     except IntegrityError as exc:
-                        raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
+                        raise IntegrityError(
+                            exc.message, path=f"{where} chunk ({c}, {j})"
+                        ) from None
                     if whole:
                         break  # whole_rows means a single layer chunk: the row loop ends here
                     _THREAD_SCRATCH.decoded = (self, c, j)
