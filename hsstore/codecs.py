@@ -228,10 +228,16 @@ class ChunkCodec:
         # One block: its start offset (bstarts[0]) follows the header.
         return [header + struct.pack("<i", _BLOSC_HEADER.size + 4), *parts]
 
-    def check(self, encoded: memoryview, nbytes: int, *, what: str) -> memoryview:
-        """Check the crc32c of ``encoded`` and that it decodes to exactly ``nbytes`` (the size
-        the manifest's layout implies), without decoding it; returns the body."""
-        body = check_crc(encoded, what=what)
+    def check(self, encoded: memoryview, nbytes: int, *, what: str, crc: bool = True) -> memoryview:
+        """Check the crc32c of ``encoded`` (unless ``crc`` is false) and that it decodes to
+        exactly ``nbytes`` (the size the manifest's layout implies), without decoding it;
+        returns the body."""
+        if crc:
+            body = check_crc(encoded, what=what)
+        elif len(encoded) < 4:
+            raise IntegrityError("chunk is shorter than its checksum", path=what)
+        else:
+            body = encoded[:-4]
         if self.config.compressed:
             if len(body) < _BLOSC_HEADER.size:
                 raise IntegrityError("chunk is shorter than a blosc header", path=what)
@@ -251,9 +257,19 @@ class ChunkCodec:
             )
         return body
 
-    def decode_into(self, encoded: memoryview, out: memoryview, *, what: str) -> None:
-        """Check ``encoded`` (crc32c, decoded size = ``len(out)``) and decode it into ``out``."""
-        body = self.check(encoded, len(out), what=what)
+    def decode_into(
+        self, encoded: memoryview, out: memoryview | np.ndarray, *, what: str, crc: bool = True
+    ) -> None:
+        """Check ``encoded`` (crc32c unless ``crc`` is false, decoded size = ``len(out)``, a
+        1-d byte buffer) and decode it into ``out``.
+
+        Leave the crc out only where a checksum of the decoded bytes is verified instead (a
+        whole-sample read): the size and frame checks still run, and c-blosc and zstd decode
+        any frame that passes them without reading or writing out of bounds (both are fuzzed
+        for malformed input), so damage then surfaces as a decode error or a sample checksum
+        mismatch.
+        """
+        body = self.check(encoded, len(out), what=what, crc=crc)
         if self.config.compressed:
             try:
                 _blosc.decompress(body, out)

@@ -205,9 +205,10 @@ def open(
 class Dataset:
     """A read-only view of one committed version of a dataset.
 
-    verify_reads: check each whole-sample read against its stored checksum (and every chunk
-    read whole against its crc32c), so corrupted bytes raise IntegrityError instead of being
-    returned as data.
+    verify_reads: check each whole-sample read against its stored checksum, so corrupted bytes
+    raise IntegrityError instead of being returned as data. Chunks a sample checksum does not
+    cover (reads of some layers, or every read when this is off) are checked against their
+    crc32c.
     """
 
     def __init__(

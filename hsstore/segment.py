@@ -385,8 +385,10 @@ class SegmentReader:
                     )
                 whole = whole_rows and lo == crow0 and hi == crow0 + rpc
                 # A chunk cut by a sample boundary is usually needed again by the neighbouring
-                # sample: the thread's scratch keeps the last one decoded (chunks never change).
-                if whole or getattr(_THREAD_SCRATCH, "decoded", None) != (self, c, j):
+                # sample: the thread's scratch keeps the last one decoded (chunks never change),
+                # with whether its crc was checked (a read without a sample checksum needs that).
+                cached = getattr(_THREAD_SCRATCH, "decoded", None)
+                if whole or cached not in ((self, c, j, True), (self, c, j, hasher is None)):
                     encoded = fetched.get((c, j))
                     if encoded is None:
                         encoded = self._read_chunk(key, mapped, offset, nbytes)
@@ -396,14 +398,16 @@ class SegmentReader:
                         _THREAD_SCRATCH.decoded = None
                         dst = self._scratch("chunk", chunk_nbytes)
                     try:
-                        self._codec.decode_into(encoded, dst, what=where)
+                        # The sample checksum, when it is verified, covers the decoded bytes:
+                        # the chunk crc would check the same bytes a second time.
+                        self._codec.decode_into(encoded, dst, what=where, crc=hasher is None)
                     except IntegrityError as exc:
                         raise IntegrityError(
                             exc.message, path=f"{where} chunk ({c}, {j})"
                         ) from None
                     if whole:
                         break  # whole_rows means a single layer chunk: the row loop ends here
-                    _THREAD_SCRATCH.decoded = (self, c, j)
+                    _THREAD_SCRATCH.decoded = (self, c, j, hasher is None)
                 chunk = np.frombuffer(self._scratch("chunk", chunk_nbytes), man.storage_dtype)
                 rows = chunk.reshape(rpc, lpc, man.hidden_size)[lo - crow0 : hi - crow0]
                 if whole_rows:
@@ -436,7 +440,11 @@ class SegmentReader:
                 break
             total += size
             decoded = getattr(_THREAD_SCRATCH, "decoded", None)
-            wanted += [e for e in row if e[0] != zarr_meta.EMPTY and decoded != (self, e[2], e[3])]
+            wanted += [
+                e
+                for e in row
+                if e[0] != zarr_meta.EMPTY and (decoded or ())[:3] != (self, e[2], e[3])
+            ]
         wanted.sort()
         runs: list[list[tuple[int, int, int, int]]] = []
         for entry in wanted:

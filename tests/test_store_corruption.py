@@ -17,9 +17,10 @@ from tools.synthetic import random_sample
 LENGTHS = [40, 90, 7, 200, 33, 120]
 
 
-def _build(path: Path, codec: str) -> hsstore.Dataset:
+def _build(path: Path, codec: str, *, sample_aligned: bool | None = None) -> hsstore.Dataset:
     ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(3)], hidden_size=32, dtype=torch.bfloat16,
-                        codec=codec, chunk_bytes=2048, shard_bytes=16384)  # fmt: skip
+                        codec=codec, chunk_bytes=2048, shard_bytes=16384,
+                        sample_aligned=sample_aligned)  # fmt: skip
     with ds.writer() as w:
         for i, t in enumerate(LENGTHS):
             w.add(f"s{i}", *random_sample(t, 2, 32, seed=i))
@@ -61,6 +62,31 @@ def test_flipped_byte_in_chunk(tmp_path, codec):
     with pytest.raises(hsstore.IntegrityError) as info:
         fresh.get("s0")
     assert info.value.sample_id == "s0"
+
+
+def test_a_chunk_decoded_for_a_checksummed_read_is_not_trusted_by_a_partial_one(tmp_path):
+    """Whole-sample reads leave out the chunk crc (the sample checksum covers the decoded
+    bytes). A chunk two samples share (unaligned layout) and decoded that way for the first must
+    not be handed unchecked to a layer read of the second, which has no sample checksum."""
+    ds = _build(tmp_path / "ds", "split-zstd", sample_aligned=False)
+    rpc = ds.manifest.layout.rows_per_chunk
+    shared = LENGTHS[0] // rpc  # the chunk where s0 ends and s1 begins
+    assert LENGTHS[0] % rpc > 0 and shared < ds.manifest.layout.chunks_per_shard
+    offset, _ = ds._readers[0].shard_index(0)[shared, 0].tolist()
+    shard = _shards(ds)[0]
+    data = bytearray(shard.read_bytes())
+    values = rpc * ds.manifest.num_layers * 32
+    low_stream = offset + 16 + 4 + 4  # blosc header, block start, the low-byte stream's length
+    assert int.from_bytes(data[low_stream - 4 : low_stream], "little") == values  # stored raw
+    row_of_s1 = rpc - 1  # the chunk's last row belongs to s1
+    data[low_stream + row_of_s1 * ds.manifest.num_layers * 32] ^= 0x01  # decodes, wrong value
+    shard.write_bytes(bytes(data))
+    fresh = hsstore.open(tmp_path / "ds")
+    assert fresh.get("s0").hidden.shape[0] == LENGTHS[0]  # its own rows are intact
+    with pytest.raises(hsstore.IntegrityError, match="crc32c"):
+        fresh.read(1, layers=[0])
+    with pytest.raises(hsstore.IntegrityError, match="checksum"):
+        fresh.get("s1")
 
 
 def test_truncated_shard(tmp_path):
