@@ -25,19 +25,12 @@ from hsstore.errors import (
     IntegrityError,
 )
 from hsstore.format import commit, paths, zarr_meta
+from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
+from hsstore.format.layout import Layout
 from hsstore.format.lease import DEFAULT_TTL_S
 from hsstore.format.locations import open_storage
-from hsstore.format.manifest import (
-    DTYPES,
-    Layout,
-    Manifest,
-    ModelInfo,
-    columns_for,
-    dtype_name,
-    now_iso,
-    storage_view,
-)
+from hsstore.format.manifest import Manifest, ModelInfo, now_iso
 from hsstore.format.store import Storage
 from hsstore.segment import SegmentReader, finish_checksum
 from hsstore.stats import LayerStats, merge_layer_stats

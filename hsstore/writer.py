@@ -15,8 +15,9 @@ import torch
 
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError, HsstoreError
 from hsstore.format import commit, paths
+from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
-from hsstore.format.manifest import Manifest, SegmentInfo, storage_view
+from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.segment import SegmentReader
 from hsstore.segment_writer import SegmentWriter, ShardFlusher
 

@@ -27,72 +27,28 @@ from hsstore.errors import (
     UnsupportedVersionError,
 )
 from hsstore.format import paths
+from hsstore.format.dtypes import (
+    COLUMN_DTYPES,
+    DTYPES,
+    SCALED_DTYPES,
+    SCALES_COLUMN,
+    STORAGE_DTYPE_NAMES,
+    columns_for,
+    dtype_name,
+)
 from hsstore.format.layers import LayerSpec
+from hsstore.format.layout import MAX_CHUNK_BYTES, Layout
 from hsstore.format.schema import validate
 from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 3
-ALIGNED_CHUNK_BYTES = 1 << 20
-ALIGNED_MAX_ROWS = 32
 # Format 1 wrote only full manifests without a checksum; they are still read (see FORMAT.md).
 OLDEST_READABLE_FORMAT = 1
 
-# Bounds on what a manifest may claim, so a hostile or damaged one cannot make a reader
-# allocate or loop without limit. Far above any real model (hidden 16k, 200 stored layers).
-MAX_CHUNK_BYTES = 1 << 30
+# A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
+# nest, so a hostile or damaged one cannot make a reader recurse without limit.
 MAX_NESTING = 64
-
-# logical dtype -> (torch dtype, storage numpy dtype). bf16 is stored as uint16 bit patterns and
-# fp8 as uint8 ones: zarr-python 3.1 has neither data type, and the integers keep the bits exact.
-DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
-    "bfloat16": (torch.bfloat16, np.dtype("<u2")),
-    "float16": (torch.float16, np.dtype("<f2")),
-    "float32": (torch.float32, np.dtype("<f4")),
-    "float8_e4m3fn": (torch.float8_e4m3fn, np.dtype("u1")),
-}
-STORAGE_DTYPE_NAMES = {
-    "bfloat16": "uint16",
-    "float16": "float16",
-    "float32": "float32",
-    "float8_e4m3fn": "uint8",
-}
-COLUMN_DTYPES = {"input_ids": "int32", "loss_mask": "uint8"}
-# A scaled dtype stores one float32 scale per token row in this column beside the states; a
-# state's value is ``stored * scale`` (hs-connectors' per-token FP8, see `hsstore.fp8`).
-SCALES_COLUMN = paths.SCALES
-SCALED_DTYPES = frozenset({"float8_e4m3fn"})
-
-
-def columns_for(dtype: str) -> dict[str, str]:
-    """The per-token columns a dataset of logical dtype ``dtype`` stores."""
-    columns = dict(COLUMN_DTYPES)
-    if dtype in SCALED_DTYPES:
-        columns[SCALES_COLUMN] = "float32"
-    return columns
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """Normalise a torch dtype or name to one of the logical dtype names."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                "float": "float32", "fp8": "float8_e4m3fn"}.get(name, name)  # fmt: skip
-    else:
-        name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise FormatError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
-    return name
-
-
-def storage_view(t: torch.Tensor) -> np.ndarray:
-    """The storage-dtype numpy view of a CPU tensor (bf16 -> its uint16 bit patterns, fp8 -> its
-    uint8 ones)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view("<u2")
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy()
-    return t.numpy()
 
 
 def now_iso() -> str:
@@ -123,83 +79,6 @@ class ModelInfo:
         if unknown:
             raise FormatError(f"unknown model fields {sorted(unknown)}")
         return cls(**obj)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the [tokens, layers, hidden] state array of a segment is cut into chunks and shards.
-
-    ``sample_aligned``: every sample starts at a chunk boundary (the rows after a sample, up to
-    the next boundary, are zero padding that belongs to no sample), so a chunk never holds the
-    rows of two samples and reading a sample decodes nothing of its neighbours.
-    """
-
-    rows_per_chunk: int
-    chunks_per_shard: int
-    layers_per_chunk: int
-    sample_aligned: bool = False
-
-    @property
-    def rows_per_shard(self) -> int:
-        return self.rows_per_chunk * self.chunks_per_shard
-
-    def start_row(self, rows: int) -> int:
-        """Where the next sample starts in a segment whose samples fill ``rows`` rows."""
-        if self.sample_aligned:
-            return -(-rows // self.rows_per_chunk) * self.rows_per_chunk
-        return rows
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rows_per_chunk": self.rows_per_chunk,
-            "chunks_per_shard": self.chunks_per_shard,
-            "layers_per_chunk": self.layers_per_chunk,
-            "sample_aligned": self.sample_aligned,
-        }
-
-    @classmethod
-    def choose(
-        cls,
-        *,
-        num_layers: int,
-        hidden_size: int,
-        itemsize: int,
-        layers_per_chunk: int | None = None,
-        chunk_bytes: int | None = None,
-        shard_bytes: int = 64 << 20,
-        sample_aligned: bool = False,
-    ) -> Layout:
-        """Rows per chunk: the largest power of two within ``chunk_bytes`` (~1 MiB by default);
-        ~64 MiB shards.
-
-        Sample-aligned layouts also keep chunks to at most 32 rows: each sample pads its last
-        chunk (half a chunk on average), so the padding stays at ~16 rows per sample (a few
-        percent of LLM-length samples), while LLM-sized rows (10-60 KiB) still make chunks of
-        0.3-1 MiB, which decode at full speed (a decode call costs ~10 us on top of its bytes).
-        """
-        if chunk_bytes is None:
-            chunk_bytes = ALIGNED_CHUNK_BYTES if sample_aligned else 1 << 20
-        sizes = {"num_layers": num_layers, "hidden_size": hidden_size, "itemsize": itemsize}
-        sizes |= {"chunk_bytes": chunk_bytes, "shard_bytes": shard_bytes}
-        for what, n in sizes.items():  # a zero or negative size would never end the loop below
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise FormatError(f"{what} must be a positive integer, got {n!r}")
-        lpc = num_layers if layers_per_chunk is None else layers_per_chunk
-        if lpc < 1 or num_layers % lpc:
-            raise FormatError(f"layers_per_chunk={lpc} must divide the layer count {num_layers}")
-        row_bytes = lpc * hidden_size * itemsize
-        max_rows = ALIGNED_MAX_ROWS if sample_aligned else 1 << 30
-        rows = 1
-        while rows * 2 * row_bytes <= chunk_bytes and rows * 2 <= max_rows:
-            rows *= 2
-        chunk = rows * row_bytes * (num_layers // lpc)
-        chunks = max(1, min(1024, shard_bytes // max(chunk, 1)))
-        return cls(
-            rows_per_chunk=rows,
-            chunks_per_shard=int(chunks),
-            layers_per_chunk=lpc,
-            sample_aligned=sample_aligned,
-        )
 
 
 @dataclass(frozen=True)

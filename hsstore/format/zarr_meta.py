@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from hsstore.codecs import CodecConfig, crc32c
-from hsstore.format.manifest import Layout
+from hsstore.format.layout import Layout
 
 # The sharding index: per inner chunk (offset, nbytes) as little-endian uint64, then crc32c.
 EMPTY = 2**64 - 1
