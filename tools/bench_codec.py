@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from numcodecs import blosc  # noqa: E402
 
 from hsstore.codecs import ChunkCodec, CodecConfig  # noqa: E402
-from hsstore.format.manifest import ALIGNED_MAX_ROWS  # noqa: E402
+from hsstore.format.layout import ALIGNED_MAX_ROWS  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 
