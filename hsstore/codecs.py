@@ -192,13 +192,19 @@ class ChunkCodec:
         if local.scratch.nbytes < nbytes:
             local.scratch = np.empty(nbytes, np.uint8)
         # The shuffled bytes: byte b of every value, for b = 0 .. k-1 (what blosc's unshuffle
-        # interleaves), in a reused scratch. A strided slice copy runs ~3x faster than a
-        # column of a [n, k] view, and warm memory ~2.5x faster than fresh.
-        values = np.frombuffer(raw, dtype=np.uint8)
+        # interleaves), in a reused scratch (warm memory is ~2.5x faster than fresh).
         shuffled = local.scratch[:nbytes]
         m = nbytes // k
-        for b in range(k):
-            np.copyto(shuffled[b * m : (b + 1) * m], values[b::k])
+        if k in (2, 4, 8) and nbytes % k == 0:
+            # Byte b of every value as a shift and a truncating cast of the little-endian
+            # words: ~3x faster than a strided byte copy.
+            words = np.frombuffer(raw, dtype=f"<u{k}")
+            for b in range(k):
+                np.right_shift(words, 8 * b, out=shuffled[b * m : (b + 1) * m], casting="unsafe")
+        else:
+            values = np.frombuffer(raw, dtype=np.uint8)
+            for b in range(k):
+                np.copyto(shuffled[b * m : (b + 1) * m], values[b::k])
         streams = [shuffled[b * m : (b + 1) * m] for b in range(k)] if split else [shuffled]
         parts: list[bytes | memoryview] = []
         raw_at = 0
