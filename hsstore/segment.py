@@ -365,12 +365,14 @@ class SegmentReader:
         coalesce = self.storage.coalesce_bytes
         last = (stop - 1) // rpc
         fetched: dict[tuple[int, int], memoryview] = {}
-        shard = -1
+        shard, key = -1, ""
+        span: tuple[int, int] | None = None  # the bytes read from the current shard's map
         for c in range(start // rpc, last + 1):
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
             if c // cps != shard:
-                shard = c // cps
+                self._unmap(key, span)
+                shard, span = c // cps, None
                 idx = self.shard_index(shard)
                 key = self._key(paths.shard_relpath(shard))
                 where = self.storage.path_of(key)
@@ -392,6 +394,9 @@ class SegmentReader:
                     encoded = fetched.get((c, j))
                     if encoded is None:
                         encoded = self._read_chunk(key, mapped, offset, nbytes)
+                        if mapped is not None:
+                            first, end = span or (offset, offset + nbytes)
+                            span = (min(first, offset), max(end, offset + nbytes))
                     if whole:
                         dst = flat[(lo - start) * rb : (hi - start) * rb]
                     else:
@@ -417,6 +422,13 @@ class SegmentReader:
                         out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None:
                 hasher.update(flat[(lo - start) * rb : (hi - start) * rb])
+        self._unmap(key, span)
+
+    def _unmap(self, key: str, span: tuple[int, int] | None) -> None:
+        """Release the pages of a shard's map this read used (`Storage.unmap`): a reader's
+        resident memory stays its buffers, not every shard it has read."""
+        if span is not None:
+            self.storage.unmap(key, span[0], span[1] - span[0])
 
     def _fetch_chunks(
         self, first: int, last: int, layer_chunks: list[int]

@@ -81,6 +81,10 @@ class Storage(abc.ABC):
         shard files) only: the caller checks the view's length against what it expects."""
         return None
 
+    def unmap(self, key: str, offset: int, nbytes: int) -> None:
+        """Done reading this range of a `map` view for now (nothing where nothing is mapped)."""
+        return None
+
     @abc.abstractmethod
     def size(self, key: str) -> int: ...
 
@@ -227,6 +231,19 @@ class LocalStorage(Storage):
             while len(self._maps) > self._max_open:
                 self._maps.popitem(last=False)
         return memoryview(mapped)
+
+    def unmap(self, key: str, offset: int, nbytes: int) -> None:
+        """Drop this process's mapping of the range's pages: they stay in the page cache (the
+        next read maps them again for a few minor faults) but stop counting in the process's
+        resident memory, which would otherwise grow to the size of every shard read."""
+        with self._fd_lock:
+            mapped = self._maps.get(key)
+        if mapped is None:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        end = min(offset + nbytes, len(mapped))
+        if end > start:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
         want = sum(len(b) for b in buffers)
