@@ -345,18 +345,29 @@ def test_device_batches_equal_dataset_bytes(ds):
 
 
 class _DecodeSpy:
-    """Records the samples a loader's decode threads read and the tasks they ran them in."""
+    """Records the samples a loader's decode threads read (in the order they draw them) and the
+    tasks they ran them in."""
 
     def __init__(self, loader: Loader, monkeypatch):
         self.reads: list[int] = []
         self.tasks = 0
-        read = loader.source.read_hidden_into
+        read, read_many = loader.source.read_hidden_into, loader.source.read_hidden_many_into
 
-        def reading(i, out, layers):
+        def reading(i, out, layers):  # a truncated sample, decoded whole on the side
             self.reads.append(i)
             read(i, out, layers)
 
         loader.source.read_hidden_into = reading  # type: ignore[method-assign]
+
+        def drawn(placed):
+            for i, row in placed:
+                self.reads.append(i)
+                yield i, row
+
+        def reading_many(out, placed, layers):
+            return read_many(out, drawn(placed), layers)
+
+        loader.source.read_hidden_many_into = reading_many  # type: ignore[method-assign]
         claimed = BatchFetcher._decode_claimed
 
         def counting(fetcher, rows, todo):

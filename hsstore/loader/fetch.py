@@ -231,23 +231,31 @@ class BatchFetcher:
     def _decode_claimed(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> None:
         """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
         ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
-        share the work without a lock) or the fetcher stops."""
+        share the work without a lock) or the fetcher stops. Whole samples go through one
+        `read_hidden_many_into` call per task (its checks and views paid once per batch)."""
         try:
-            while todo and not self._stop.is_set():
-                try:
-                    i, full, first, take = todo.popleft()
-                except IndexError:  # another task took the last one
-                    return
-                self._decode(tokens_rows[first : first + take], i, full)
+            self.source.read_hidden_many_into(
+                tokens_rows, self._claim(tokens_rows, todo), self._layers
+            )
         except BaseException:
             todo.clear()  # the batch is lost: its other tasks stop at their next claim
             raise
 
-    def _decode(self, dst: torch.Tensor, i: int, full: int) -> None:
-        if dst.shape[0] == full:
-            self.source.read_hidden_into(i, dst, self._layers)
-            return
-        # Truncated sample: decode whole into a per-thread scratch, keep the head.
+    def _claim(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> Iterator[tuple[int, int]]:
+        """(sample, first row) of the whole samples claimed from ``todo``, one at a time; a
+        truncated sample is decoded here, on the side."""
+        while todo and not self._stop.is_set():
+            try:
+                i, full, first, take = todo.popleft()
+            except IndexError:  # another task took the last one
+                return
+            if take == full:
+                yield i, first
+            else:
+                self._decode_truncated(tokens_rows[first : first + take], i, full)
+
+    def _decode_truncated(self, dst: torch.Tensor, i: int, full: int) -> None:
+        """Decode a sample whole into a per-thread scratch and keep its head."""
         scratch = getattr(self._local, "scratch", None)
         need = full * dst.shape[1] * dst.shape[2]
         if scratch is None or scratch.numel() < need:
