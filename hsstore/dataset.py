@@ -432,9 +432,10 @@ class Dataset:
         lands in ``out[row : row + T_i]``. Returns how many samples were read.
 
         The same bytes and checks as `read_hidden_into` per sample, but the checks of ``out``
-        and its array view are done once: on samples of a few hundred tokens they cost as much
-        as the read itself. ``placed`` is drawn one pair at a time, so several threads may
-        share one iterator (a generator over a queue of work) and split a batch between them.
+        and its array view are done once: on samples of a few hundred tokens they took a sixth
+        of the time of a `read_hidden_into` call. ``placed`` is drawn one pair at a time, as each read is done, so
+        threads that each draw from their own generator over one shared queue of work split a
+        batch between them.
         """
         layer_list = self._check_layers(layers)
         man = self.manifest
