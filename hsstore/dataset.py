@@ -433,9 +433,9 @@ class Dataset:
 
         The same bytes and checks as `read_hidden_into` per sample, but the checks of ``out``
         and its array view are done once: on samples of a few hundred tokens they took a sixth
-        of the time of a `read_hidden_into` call. ``placed`` is drawn one pair at a time, as each read is done, so
-        threads that each draw from their own generator over one shared queue of work split a
-        batch between them.
+        of the time of a `read_hidden_into` call. ``placed`` is drawn one pair at a time, as
+        each read is done, so threads that each draw from their own generator over one shared
+        queue of work split a batch between them.
         """
         layer_list = self._check_layers(layers)
         man = self.manifest

@@ -155,7 +155,8 @@ class DatasetSource:
         self, out: torch.Tensor, placed: Iterable[tuple[int, int]], layers: list[int]
     ) -> int:
         """Decode whole samples into token rows of ``out`` [R, len(layers), H]: sample ``i``
-        at ``out[row:]`` for every ``(i, row)`` drawn from ``placed`` (`Dataset.read_hidden_many_into`)."""
+        at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``
+        (`Dataset.read_hidden_many_into`)."""
         whole = layers == self._all_layers
         return self.ds.read_hidden_many_into(out, placed, layers=None if whole else layers)
 

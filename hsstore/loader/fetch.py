@@ -11,10 +11,10 @@ they run, the producer writes the batch's padding and gathers all its token colu
 With a single decode thread there is no pool: the producer decodes each batch itself, after
 its padding and token columns. Handing every batch to another thread bought an overlap of
 about half a millisecond per batch and cost as much in GIL hand-offs: the decoding thread
-blocked on the GIL some 15 times per batch (measured on 2 shared cores). Padding is written only where a
-buffer may hold stale rows (``HostBuffers.clean_from``). At most ``prefetch`` batches wait in
-the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers whatever the speed
-of the consumer.
+blocked on the GIL some 15 times per batch (measured on 2 shared cores). Padding is written
+only where a buffer may hold stale rows (``HostBuffers.clean_from``). At most ``prefetch``
+batches wait in the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers
+whatever the speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
