@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,6 +414,82 @@ class Dataset:
         self._read(self._check_position(i), self._check_layers(layers), out, values_out_ok=True)
         return out
 
+    def read_hidden_many_into(
+        self,
+        out: torch.Tensor,
+        placed: Iterable[tuple[int, int]],
+        *,
+        layers: Sequence[int] | None = None,
+    ) -> int:
+        """Decode whole samples into the token rows of ``out`` ([R, len(layers), H], contiguous
+        CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
+        lands in ``out[row : row + T_i]``. Returns how many samples were read.
+
+        The same bytes and checks as `read_hidden_into` per sample, but the checks of ``out``
+        and its array view are done once: on samples of a few hundred tokens they took a sixth
+        of the time of a `read_hidden_into` call. ``placed`` is drawn one pair at a time, as
+        each read is done, so threads that each draw from their own generator over one shared
+        queue of work split a batch between them.
+        """
+        layer_list = self._check_layers(layers)
+        man = self.manifest
+        width = man.num_layers if layer_list is None else len(layer_list)
+        if out.dim() != 3 or tuple(out.shape[1:]) != (width, man.hidden_size):
+            raise BadInputError(
+                f"out must be [rows, {width}, {man.hidden_size}], got {tuple(out.shape)}",
+                path=str(self.path),
+            )
+        if man.scaled and out.dtype == fp8.DEQUANTIZED_DTYPE:  # dequantized per sample
+            done = 0
+            for i, row in placed:
+                i = self._check_position(i)
+                n = int(self._index.len[i])
+                self._read(i, layer_list, _rows(out, row, n), values_out_ok=True)
+                done += 1
+            return done
+        if out.dtype != man.torch_dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise BadInputError(
+                f"out must be a contiguous CPU {man.dtype} tensor, got {out.dtype} on {out.device}",
+                path=str(self.path),
+            )
+        np_out = storage_view(out)
+        index, readers, count = self._index, self._readers, len(self)
+        segments, rows, lengths, checksums = index.segment, index.row, index.len, index.checksum
+        check = self.verify_reads and layer_list is None
+        done = 0
+        for i, first in placed:
+            if not -count <= i < count:
+                raise IndexError(f"sample {i} out of range for a dataset of {count} samples")
+            i %= count
+            reader = readers[segments[i]]
+            row, n = int(rows[i]), int(lengths[i])
+            if not 0 <= first <= np_out.shape[0] - n:
+                raise BadInputError(
+                    f"sample {i} ({n} tokens) at row {first} overruns out ({np_out.shape[0]} rows)",
+                    path=str(self.path),
+                )
+            hasher = xxhash.xxh3_64() if check else None
+            try:
+                reader.read_rows(row, row + n, layer_list, np_out[first : first + n], hasher=hasher)
+                if hasher is not None:
+                    ids = reader.column("input_ids")[row : row + n]
+                    mask = reader.column("loss_mask")[row : row + n]
+                    scales = reader.column(paths.SCALES)[row : row + n] if man.scaled else None
+            except IntegrityError as exc:
+                raise IntegrityError(
+                    exc.message, path=exc.path, sample_id=self.sample_ids[i]
+                ) from exc
+            if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
+                checksums[i]
+            ):
+                raise IntegrityError(
+                    "sample checksum mismatch (corrupted bytes)",
+                    path=self.storage.path_of(paths.segment_dir(reader.info.id)),
+                    sample_id=self.sample_ids[i],
+                )
+            done += 1
+        return done
+
     def read(
         self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None
     ) -> Sample:
@@ -508,6 +584,13 @@ class Dataset:
 
     def close(self) -> None:
         self.storage.close()
+
+
+def _rows(out: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """``out[first : first + n]``, refusing a range that does not fit (a slice would shrink)."""
+    if not 0 <= first <= out.shape[0] - n:
+        raise BadInputError(f"{n} rows at row {first} overrun out ({out.shape[0]} rows)")
+    return out[first : first + n]
 
 
 class _JoinedIndex:

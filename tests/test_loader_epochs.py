@@ -73,15 +73,30 @@ class DecodeCounter:
     def __init__(self, loader: Loader):
         self.count = 0
         self._cond = threading.Condition()
-        read = loader.source.read_hidden_into
+        read, read_many = loader.source.read_hidden_into, loader.source.read_hidden_many_into
 
-        def counting(i, out, layers):
+        def counting(i, out, layers):  # a truncated sample
             read(i, out, layers)
-            with self._cond:
-                self.count += 1
-                self._cond.notify_all()
+            self._done(1)
+
+        def drawn(placed):  # a sample is decoded once the next one is drawn
+            for k, pair in enumerate(placed):
+                if k:
+                    self._done(1)
+                yield pair
+
+        def counting_many(out, placed, layers):
+            n = read_many(out, drawn(placed), layers)
+            self._done(1 if n else 0)
+            return n
 
         loader.source.read_hidden_into = counting  # type: ignore[method-assign]
+        loader.source.read_hidden_many_into = counting_many  # type: ignore[method-assign]
+
+    def _done(self, n: int) -> None:
+        with self._cond:
+            self.count += n
+            self._cond.notify_all()
 
     def wait_beyond(self, n: int) -> bool:
         with self._cond:

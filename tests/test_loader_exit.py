@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import hsstore
@@ -33,7 +34,8 @@ CHILD = textwrap.dedent(
     import hsstore
     from hsstore.loader import Loader
 
-    loader = Loader(hsstore.open(sys.argv[1]), max_tokens=256, num_threads=2, prefetch=2)
+    loader = Loader(hsstore.open(sys.argv[1]), max_tokens=256, num_threads=int(sys.argv[3]),
+                    prefetch=2)
     for k, batch in enumerate(loader):
         if k == int(sys.argv[2]):
             break  # leave the loader open, mid-epoch, and exit
@@ -42,7 +44,8 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_exit_with_an_open_loader_stops_its_threads(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exit_with_an_open_loader_stops_its_threads(tmp_path, threads):
     path = tmp_path / "ds"
     ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
                         dtype=torch.bfloat16)  # fmt: skip
@@ -51,9 +54,10 @@ def test_exit_with_an_open_loader_stops_its_threads(tmp_path):
             w.add(f"s{i}", *random_sample(30 + i, 2, 64, seed=i))
     for stop_after in (0, 3):
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(path), str(stop_after)],
+            [sys.executable, "-c", CHILD, str(path), str(stop_after), str(threads)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.split()
         assert lines == ["broke", "out", "alive:"], (lines, proc.stderr)
+        assert "Exception ignored" not in proc.stderr, proc.stderr

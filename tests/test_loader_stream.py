@@ -21,7 +21,7 @@ from hsstore.loader import (
     PlannedBatchSampler,
     pack_collate,
 )
-from hsstore.loader.collate import as_eagle3
+from hsstore.loader.collate import HostBuffers, as_eagle3, fill_padding, placements
 from hsstore.loader.fetch import BatchFetcher
 
 H = 32
@@ -100,10 +100,11 @@ def _check_batch_values(ds, batch, aux=(0, 1, 2), verifier=3, packed=True):
             )
 
 
-def test_packed_batches_equal_dataset_bytes(ds):
-    loader = Loader(ds.path, max_tokens=MAX_TOKENS, seed=3, num_threads=2)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_batches_equal_dataset_bytes(ds, threads):
+    loader = Loader(ds.path, max_tokens=MAX_TOKENS, seed=3, num_threads=threads)
     seen = []
-    for batch in loader:
+    for batch in loader.iter_epochs(3):  # the ring's buffers are reused by other batches
         assert batch["input_ids"].shape == (1, MAX_TOKENS)
         assert batch["hidden_states"].shape == (1, MAX_TOKENS, 3 * H)
         used = int(batch["lengths"].sum())
@@ -113,20 +114,21 @@ def test_packed_batches_equal_dataset_bytes(ds):
         assert torch.all(batch["loss_mask"][0, used:] == 0)
         _check_batch_values(ds, batch)
         seen.extend(batch["sample_index"].tolist())
-    assert sorted(seen) == list(range(len(ds)))
+    assert sorted(seen) == sorted(list(range(len(ds))) * 3)
 
 
-def test_padded_mode_and_layer_subset(ds):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_padded_mode_and_layer_subset(ds, threads):
     loader = Loader(
         ds.path,
         max_tokens=MAX_TOKENS,
         batch_size=5,
         aux_layers=[2, 0],
-        shuffle=False,
-        num_threads=2,
+        seed=1,
+        num_threads=threads,
     )
     seen = []
-    for batch in loader:
+    for batch in loader.iter_epochs(3):  # batches of other shapes reuse the ring's buffers
         b, t = batch["input_ids"].shape
         assert t % 8 == 0 or t == MAX_TOKENS
         assert batch["per_layer_hidden_states"].shape == (b, t, 3, H)
@@ -134,7 +136,28 @@ def test_padded_mode_and_layer_subset(ds):
         assert torch.equal(batch["document_ids"] == 0, torch.arange(t)[None] < lengths[:, None])
         _check_batch_values(ds, batch, aux=(2, 0), packed=False)
         seen.extend(batch["sample_index"].tolist())
-    assert seen == list(range(len(ds)))
+    assert sorted(seen) == sorted(list(range(len(ds))) * 3)
+
+
+def test_padding_skips_only_rows_known_to_be_zero():
+    buf = HostBuffers(16, 1, 2, torch.bfloat16, pin=False)
+    assert buf.clean_from == 0  # allocated zeroed
+    raw = buf.view(1, 16, [12], [0])
+    buf.clean_from = fill_padding(raw, placements(True, np.array([12])), True, 0, buf.clean_from)
+    assert buf.clean_from == 12
+    raw.hidden[0, :12] = 1  # what the decode threads write
+    raw = buf.view(1, 16, [5], [1])  # a shorter packed batch: rows 5-11 are stale
+    buf.clean_from = fill_padding(raw, placements(True, np.array([5])), True, 0, buf.clean_from)
+    assert buf.clean_from == 5
+    assert bool((raw.hidden[0, :5] == 1).all()) and bool((raw.hidden[0, 5:] == 0).all())
+    raw.hidden[0, :5] = 1
+    raw = buf.view(2, 2, [1, 2], [2, 3])  # padded, over flat rows 0-3 only: row 4 keeps its 1
+    bound = fill_padding(raw, placements(False, np.array([1, 2])), False, 0, buf.clean_from)
+    assert bound == 5
+    assert bool((raw.hidden[0, 1] == 0).all()) and bool((raw.hidden[1] == 1).all())
+    assert bool((buf.hidden.view(16, 2)[4] == 1).all())
+    fresh = HostBuffers(16, 1, 2, torch.bfloat16, pin=False, prefault=False)
+    assert fresh.clean_from == 16  # nothing known: every padding row is written
 
 
 def test_no_verifier(ds):
@@ -345,18 +368,29 @@ def test_device_batches_equal_dataset_bytes(ds):
 
 
 class _DecodeSpy:
-    """Records the samples a loader's decode threads read and the tasks they ran them in."""
+    """Records the samples a loader's decode threads read (in the order they draw them) and the
+    tasks they ran them in."""
 
     def __init__(self, loader: Loader, monkeypatch):
         self.reads: list[int] = []
         self.tasks = 0
-        read = loader.source.read_hidden_into
+        read, read_many = loader.source.read_hidden_into, loader.source.read_hidden_many_into
 
-        def reading(i, out, layers):
+        def reading(i, out, layers):  # a truncated sample, decoded whole on the side
             self.reads.append(i)
             read(i, out, layers)
 
         loader.source.read_hidden_into = reading  # type: ignore[method-assign]
+
+        def drawn(placed):
+            for i, row in placed:
+                self.reads.append(i)
+                yield i, row
+
+        def reading_many(out, placed, layers):
+            return read_many(out, drawn(placed), layers)
+
+        loader.source.read_hidden_many_into = reading_many  # type: ignore[method-assign]
         claimed = BatchFetcher._decode_claimed
 
         def counting(fetcher, rows, todo):

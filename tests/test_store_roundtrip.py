@@ -93,6 +93,41 @@ def test_read_into_reuses_caller_buffer(tmp_path):
         ds.read_hidden_into(0, torch.empty(49, 2, 32, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("codec", ["none", "blosc-zstd"])
+def test_read_hidden_many_into_places_each_sample_at_its_row(tmp_path, codec):
+    ds = hsstore.create(tmp_path / "ds", layers=_layers(3), hidden_size=16, dtype="bfloat16",
+                        codec=codec)  # fmt: skip
+    lengths = [5, 1, 9, 4]
+    states = []
+    for part in (lengths[:3], lengths[3:]):  # two segments
+        with ds.writer() as w:
+            for t in part:
+                ids, mask, hid = random_sample(t, 3, 16, seed=len(states))
+                w.add(f"s{len(states)}", ids, mask, hid)
+                states.append(hid)
+    ds = hsstore.open(tmp_path / "ds")
+    out = torch.full((30, 3, 16), 7.0, dtype=torch.bfloat16)
+    placed = [(3, 0), (0, 20), (-3, 25), (2, 10)]  # -3: sample 1, from the end
+    assert ds.read_hidden_many_into(out, iter(placed)) == 4
+    for i, row in placed:
+        assert _bits(out[row : row + lengths[i]]) == _bits(states[i])
+    untouched = torch.ones(30, dtype=torch.bool)
+    for i, row in placed:
+        untouched[row : row + lengths[i]] = False
+    assert bool((out[untouched] == 7.0).all())  # nothing outside the placed rows
+    picked = torch.empty(9, 2, 16, dtype=torch.bfloat16)
+    assert ds.read_hidden_many_into(picked, [(2, 0)], layers=[2, 0]) == 1
+    assert _bits(picked) == _bits(states[2][:, [2, 0]])
+    with pytest.raises(hsstore.BadInputError, match="overruns"):
+        ds.read_hidden_many_into(out, [(2, 22)])  # 9 tokens from row 22 of 30
+    with pytest.raises(IndexError, match="sample 4 out of range"):
+        ds.read_hidden_many_into(out, [(4, 0)])
+    with pytest.raises(hsstore.BadInputError, match=r"out must be \[rows, 3, 16\]"):
+        ds.read_hidden_many_into(out[:, :2], [(0, 0)])
+    with pytest.raises(hsstore.BadInputError, match="contiguous CPU bfloat16"):
+        ds.read_hidden_many_into(out.float(), [(0, 0)])
+
+
 def test_read_tokens_many_is_the_per_sample_heads_back_to_back(tmp_path):
     ds = hsstore.create(tmp_path / "ds", layers=_layers(1), hidden_size=8, dtype="bfloat16")
     lengths = [5, 1, 9, 4, 7, 3]

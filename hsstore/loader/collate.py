@@ -87,6 +87,9 @@ class HostBuffers:
         # padding), so zeroing would only add a pass over fresh memory.
         alloc = torch.zeros if prefault else torch.empty
         self.hidden = alloc(capacity * self.row, dtype=dtype, pin_memory=pin)
+        # Every token row of ``hidden`` from this one on is zero: padding there is already
+        # written (`fill_padding`), which spares a pass over most of the padding of a batch.
+        self.clean_from = 0 if prefault else capacity
         # The 4 per-token columns, then lengths and sample positions (at most one sample per
         # token), so every field of a batch lives in these two allocations.
         self.tokens = torch.zeros(len(TOKEN_KEYS) + 2, capacity, dtype=torch.int64, pin_memory=pin)
@@ -149,22 +152,42 @@ def placements(packed: bool, tokens: np.ndarray) -> Placements:
     return Placements(rows, starts, takes)
 
 
-def fill_padding(raw: RawBatch, places: Placements, packed: bool, pad_token_id: int) -> None:
-    """Write pad values everywhere no sample lands (buffers are reused: stale data otherwise)."""
+def fill_padding(
+    raw: RawBatch,
+    places: Placements,
+    packed: bool,
+    pad_token_id: int,
+    clean_from: int,
+) -> int:
+    """Write pad values everywhere no sample lands (buffers are reused: stale data otherwise).
+
+    ``clean_from``: the buffer's hidden states are zero from this flat ``[B * T]`` token row
+    on (`HostBuffers.clean_from`), so padding there is not written again. Returns that bound
+    for after this batch (its samples end before it)."""
     b, t = raw.input_ids.shape
     if packed:
-        _pad_row(raw, 0, int(places.takes.sum()), pad_token_id)
+        _pad_row(raw, 0, int(places.takes.sum()), pad_token_id, clean_from)
     else:
         for row, take in enumerate(places.takes.tolist()):
-            _pad_row(raw, row, take, pad_token_id)
+            _pad_row(raw, row, take, pad_token_id, clean_from)
         for row in range(len(places), b):
-            _pad_row(raw, row, 0, pad_token_id)
+            _pad_row(raw, row, 0, pad_token_id, clean_from)
+    if clean_from > b * t:  # rows past this batch keep what an earlier, longer batch left
+        return clean_from
+    if packed or not len(places):
+        return int(places.takes.sum()) if packed else 0
+    return (len(places) - 1) * t + int(places.takes[-1])
 
 
-def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int) -> None:
-    if start >= raw.input_ids.shape[1]:
+def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int, clean_from: int) -> None:
+    """Pad row ``row`` from token ``start`` on (hidden states only below flat row
+    ``clean_from``)."""
+    t = raw.input_ids.shape[1]
+    if start >= t:
         return
-    raw.hidden[row, start:].zero_()
+    stop = min(t, clean_from - row * t)
+    if stop > start:
+        raw.hidden[row, start:stop].zero_()
     raw.input_ids[row, start:] = pad_token_id
     raw.loss_mask[row, start:] = 0
     raw.position_ids[row, start:] = 0

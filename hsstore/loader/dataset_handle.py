@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,6 +150,15 @@ class DatasetSource:
         """
         whole = layers == self._all_layers
         self.ds.read_hidden_into(i, out, layers=None if whole else layers)
+
+    def read_hidden_many_into(
+        self, out: torch.Tensor, placed: Iterable[tuple[int, int]], layers: list[int]
+    ) -> int:
+        """Decode whole samples into token rows of ``out`` [R, len(layers), H]: sample ``i``
+        at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``
+        (`Dataset.read_hidden_many_into`)."""
+        whole = layers == self._all_layers
+        return self.ds.read_hidden_many_into(out, placed, layers=None if whole else layers)
 
 
 def _data_fingerprint(index: pa.Table) -> int:

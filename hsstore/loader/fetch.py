@@ -8,8 +8,13 @@ on small samples a future, a thread wake-up and a GIL hand-off per sample cost a
 reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
 chunk that two neighbouring samples share is decoded once and files are read forwards. While
 they run, the producer writes the batch's padding and gathers all its token columns at once.
-At most ``prefetch`` batches wait in the output queue, so memory is bounded by
-``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
+With a single decode thread there is no pool: the producer decodes each batch itself, after
+its padding and token columns. Handing every batch to another thread bought an overlap of
+about half a millisecond per batch and cost as much in GIL hand-offs: the decoding thread
+blocked on the GIL some 15 times per batch (measured on 2 shared cores). Padding is written
+only where a buffer may hold stale rows (``HostBuffers.clean_from``). At most ``prefetch``
+batches wait in the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers
+whatever the speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
@@ -128,7 +133,11 @@ class BatchFetcher:
         self._stop = threading.Event()
         self._local = threading.local()
         self._num_threads = num_threads
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hsstore-decode")
+        self._pool = (
+            ThreadPoolExecutor(num_threads, thread_name_prefix="hsstore-decode")
+            if num_threads > 1
+            else None
+        )
         self._thread = threading.Thread(
             target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
         )
@@ -173,12 +182,26 @@ class BatchFetcher:
                 places = placements(self.shape.packed, tokens)
                 todo = self._decode_order(samples, places, t)
                 tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
+                # Until the padding is written, all this batch's rows may hold data.
+                clean_from, buf.clean_from = buf.clean_from, max(buf.clean_from, b * t)
+                if self._pool is None:  # one decode thread: this one, with no hand-off
+                    buf.clean_from = fill_padding(
+                        raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
+                    )
+                    input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
+                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
+                    self._decode_claimed(tokens_rows, todo)
+                    if not self._put((buf, raw, [])):
+                        return
+                    continue
                 futures = [
                     self._pool.submit(self._decode_claimed, tokens_rows, todo)
                     for _ in range(min(self._num_threads, len(todo)))
                 ]
                 try:  # while the samples decode (padding and token columns lie elsewhere)
-                    fill_padding(raw, places, self.shape.packed, self.shape.pad_token_id)
+                    buf.clean_from = fill_padding(
+                        raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
+                    )
                     input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
                 except BaseException:
@@ -231,23 +254,31 @@ class BatchFetcher:
     def _decode_claimed(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> None:
         """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
         ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
-        share the work without a lock) or the fetcher stops."""
+        share the work without a lock) or the fetcher stops. Whole samples go through one
+        `read_hidden_many_into` call per task (its checks and views paid once per batch)."""
         try:
-            while todo and not self._stop.is_set():
-                try:
-                    i, full, first, take = todo.popleft()
-                except IndexError:  # another task took the last one
-                    return
-                self._decode(tokens_rows[first : first + take], i, full)
+            self.source.read_hidden_many_into(
+                tokens_rows, self._claim(tokens_rows, todo), self._layers
+            )
         except BaseException:
             todo.clear()  # the batch is lost: its other tasks stop at their next claim
             raise
 
-    def _decode(self, dst: torch.Tensor, i: int, full: int) -> None:
-        if dst.shape[0] == full:
-            self.source.read_hidden_into(i, dst, self._layers)
-            return
-        # Truncated sample: decode whole into a per-thread scratch, keep the head.
+    def _claim(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> Iterator[tuple[int, int]]:
+        """(sample, first row) of the whole samples claimed from ``todo``, one at a time; a
+        truncated sample is decoded here, on the side."""
+        while todo and not self._stop.is_set():
+            try:
+                i, full, first, take = todo.popleft()
+            except IndexError:  # another task took the last one
+                return
+            if take == full:
+                yield i, first
+            else:
+                self._decode_truncated(tokens_rows[first : first + take], i, full)
+
+    def _decode_truncated(self, dst: torch.Tensor, i: int, full: int) -> None:
+        """Decode a sample whole into a per-thread scratch and keep its head."""
         scratch = getattr(self._local, "scratch", None)
         need = full * dst.shape[1] * dst.shape[2]
         if scratch is None or scratch.numel() < need:
@@ -316,10 +347,12 @@ class BatchFetcher:
         self._free.put(None)
         with contextlib.suppress(queue.Empty):
             self._out.get_nowait()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -348,6 +348,7 @@ class _WorkerBatches:
         buf = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         raw = buf.view(b, t, batch.lengths, batch.sample_index)
+        buf.clean_from = max(buf.clean_from, b * t)
         raw.hidden.copy_(batch.hidden)
         raw.input_ids.copy_(batch.input_ids)
         raw.loss_mask.copy_(batch.loss_mask)
