@@ -453,40 +453,19 @@ class Dataset:
                 path=str(self.path),
             )
         np_out = storage_view(out)
-        index, readers, count = self._index, self._readers, len(self)
-        segments, rows, lengths, checksums = index.segment, index.row, index.len, index.checksum
-        check = self.verify_reads and layer_list is None
+        count, lengths = len(self), self._index.len
         done = 0
         for i, first in placed:
             if not -count <= i < count:
                 raise IndexError(f"sample {i} out of range for a dataset of {count} samples")
             i %= count
-            reader = readers[segments[i]]
-            row, n = int(rows[i]), int(lengths[i])
+            n = int(lengths[i])
             if not 0 <= first <= np_out.shape[0] - n:
                 raise BadInputError(
                     f"sample {i} ({n} tokens) at row {first} overruns out ({np_out.shape[0]} rows)",
                     path=str(self.path),
                 )
-            hasher = xxhash.xxh3_64() if check else None
-            try:
-                reader.read_rows(row, row + n, layer_list, np_out[first : first + n], hasher=hasher)
-                if hasher is not None:
-                    ids = reader.column("input_ids")[row : row + n]
-                    mask = reader.column("loss_mask")[row : row + n]
-                    scales = reader.column(paths.SCALES)[row : row + n] if man.scaled else None
-            except IntegrityError as exc:
-                raise IntegrityError(
-                    exc.message, path=exc.path, sample_id=self.sample_ids[i]
-                ) from exc
-            if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
-                checksums[i]
-            ):
-                raise IntegrityError(
-                    "sample checksum mismatch (corrupted bytes)",
-                    path=self.storage.path_of(paths.segment_dir(reader.info.id)),
-                    sample_id=self.sample_ids[i],
-                )
+            self._decode(i, layer_list, np_out[first : first + n], columns=False)
             done += 1
         return done
 
@@ -513,10 +492,8 @@ class Dataset:
         *,
         values_out_ok: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, torch.Tensor]:
-        reader = self._readers[self._index.segment[i]]
-        row, n = int(self._index.row[i]), int(self._index.len[i])
         width = self.manifest.num_layers if layers is None else len(layers)
-        shape = (n, width, self.manifest.hidden_size)
+        shape = (int(self._index.len[i]), width, self.manifest.hidden_size)
         values_out = None  # a bf16 `out` of an fp8 dataset: decode, then dequantize into it
         if (
             values_out_ok
@@ -539,14 +516,30 @@ class Dataset:
                 f"{out.dtype} {tuple(out.shape)}",
                 path=str(self.path),
             )
-        np_out = storage_view(out)
-        check = self.verify_reads and layers is None
+        ids, mask, scales = self._decode(i, layers, storage_view(out), columns=True)
+        if values_out is not None:
+            fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
+            out = values_out
+        return ids, mask, scales, out
+
+    def _decode(
+        self, i: int, layers: list[int] | None, np_out: np.ndarray, *, columns: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
+        sample checksum when reads are verified and all layers are read. Returns its token
+        columns and scales, read only when ``columns`` or the checksum needs them (else empty)."""
+        reader = self._readers[self._index.segment[i]]
+        row, n = int(self._index.row[i]), int(self._index.len[i])
+        hasher = xxhash.xxh3_64() if self.verify_reads and layers is None else None
+        ids = mask = _NO_ROWS
+        scales = None
         try:
-            hasher = xxhash.xxh3_64() if check else None
             reader.read_rows(row, row + n, layers, np_out, hasher=hasher)
-            ids = reader.column("input_ids")[row : row + n]
-            mask = reader.column("loss_mask")[row : row + n]
-            scales = reader.column(paths.SCALES)[row : row + n] if self.manifest.scaled else None
+            if columns or hasher is not None:
+                ids = reader.column("input_ids")[row : row + n]
+                mask = reader.column("loss_mask")[row : row + n]
+                if self.manifest.scaled:
+                    scales = reader.column(paths.SCALES)[row : row + n]
         except IntegrityError as exc:
             raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
         if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
@@ -557,10 +550,7 @@ class Dataset:
                 path=self.storage.path_of(paths.segment_dir(reader.info.id)),
                 sample_id=self.sample_ids[i],
             )
-        if values_out is not None:
-            fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
-            out = values_out
-        return ids, mask, scales, out
+        return ids, mask, scales
 
     # -- writing -------------------------------------------------------------------------------
     def writer(
@@ -584,6 +574,9 @@ class Dataset:
 
     def close(self) -> None:
         self.storage.close()
+
+
+_NO_ROWS = np.empty(0, np.int64)
 
 
 def _rows(out: torch.Tensor, first: int, n: int) -> torch.Tensor:
