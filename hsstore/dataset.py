@@ -439,33 +439,28 @@ class Dataset:
                 f"out must be [rows, {width}, {man.hidden_size}], got {tuple(out.shape)}",
                 path=str(self.path),
             )
-        if man.scaled and out.dtype == fp8.DEQUANTIZED_DTYPE:  # dequantized per sample
-            done = 0
-            for i, row in placed:
-                i = self._check_position(i)
-                n = int(self._index.len[i])
-                self._read(i, layer_list, _rows(out, row, n), values_out_ok=True)
-                done += 1
-            return done
-        if out.dtype != man.torch_dtype or not out.is_contiguous() or out.device.type != "cpu":
+        dequantize = man.scaled and out.dtype == fp8.DEQUANTIZED_DTYPE  # per sample, in _read
+        if not dequantize and (
+            out.dtype != man.torch_dtype or not out.is_contiguous() or out.device.type != "cpu"
+        ):
             raise BadInputError(
                 f"out must be a contiguous CPU {man.dtype} tensor, got {out.dtype} on {out.device}",
                 path=str(self.path),
             )
-        np_out = storage_view(out)
-        count, lengths = len(self), self._index.len
+        np_out = None if dequantize else storage_view(out)
         done = 0
         for i, first in placed:
-            if not -count <= i < count:
-                raise IndexError(f"sample {i} out of range for a dataset of {count} samples")
-            i %= count
-            n = int(lengths[i])
-            if not 0 <= first <= np_out.shape[0] - n:
+            i = self._check_position(i)
+            n = int(self._index.len[i])
+            if not 0 <= first <= out.shape[0] - n:  # a slice would silently shrink
                 raise BadInputError(
-                    f"sample {i} ({n} tokens) at row {first} overruns out ({np_out.shape[0]} rows)",
+                    f"sample {i} ({n} tokens) at row {first} overruns out ({out.shape[0]} rows)",
                     path=str(self.path),
                 )
-            self._decode(i, layer_list, np_out[first : first + n], columns=False)
+            if np_out is None:
+                self._read(i, layer_list, out[first : first + n], values_out_ok=True)
+            else:
+                self._decode(i, layer_list, np_out[first : first + n], columns=False)
             done += 1
         return done
 
@@ -577,13 +572,6 @@ class Dataset:
 
 
 _NO_ROWS = np.empty(0, np.int64)
-
-
-def _rows(out: torch.Tensor, first: int, n: int) -> torch.Tensor:
-    """``out[first : first + n]``, refusing a range that does not fit (a slice would shrink)."""
-    if not 0 <= first <= out.shape[0] - n:
-        raise BadInputError(f"{n} rows at row {first} overrun out ({out.shape[0]} rows)")
-    return out[first : first + n]
 
 
 class _JoinedIndex:

@@ -184,20 +184,10 @@ class BatchFetcher:
                 tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
                 # Until the padding is written, all this batch's rows may hold data.
                 clean_from, buf.clean_from = buf.clean_from, max(buf.clean_from, b * t)
-                if self._pool is None:  # one decode thread: this one, with no hand-off
-                    buf.clean_from = fill_padding(
-                        raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
-                    )
-                    input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
-                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
-                    self._decode_claimed(tokens_rows, todo)
-                    if not self._put((buf, raw, [])):
-                        return
-                    continue
                 futures = [
                     self._pool.submit(self._decode_claimed, tokens_rows, todo)
                     for _ in range(min(self._num_threads, len(todo)))
-                ]
+                ] if self._pool is not None else []  # fmt: skip
                 try:  # while the samples decode (padding and token columns lie elsewhere)
                     buf.clean_from = fill_padding(
                         raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
@@ -207,6 +197,8 @@ class BatchFetcher:
                 except BaseException:
                     todo.clear()
                     raise
+                if self._pool is None:  # one decode thread: this one, with no hand-off
+                    self._decode_claimed(tokens_rows, todo)
                 if not self._put((buf, raw, futures)):
                     return
             self._put(_END)
