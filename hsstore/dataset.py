@@ -190,9 +190,18 @@ def open(
     *,
     version: int | None = None,
     verify_reads: bool = True,
+    read_threads: int | None = None,
 ) -> Dataset:  # noqa: A001
     """Open the latest committed version (or ``version``) of a dataset at a path or URL."""
-    return Dataset(path, version=version, verify_reads=verify_reads)
+    return Dataset(path, version=version, verify_reads=verify_reads, read_threads=read_threads)
+
+
+def default_read_threads() -> int:
+    """Threads one sample's read may decode on: the usable cores, at most 4 (a sample's chunks
+    rarely keep more busy, and a caller running many reads at once keeps the cores busy itself).
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cores or 1))
 
 
 class Dataset:
@@ -202,6 +211,11 @@ class Dataset:
     raise IntegrityError instead of being returned as data. Chunks a sample checksum does not
     cover (reads of some layers, or every read when this is off) are checked against their
     crc32c.
+
+    read_threads: how many threads one `read` or `read_hidden_into` of a large compressed
+    sample decodes on (shares of at least 1 MiB of its chunks, the calling thread taking one);
+    default `default_read_threads`. 1 decodes on the calling thread only. Batch reads
+    (`read_hidden_many_into`) always decode on the calling thread: the loader runs its own.
     """
 
     def __init__(
@@ -210,13 +224,17 @@ class Dataset:
         *,
         version: int | None = None,
         verify_reads: bool = True,
+        read_threads: int | None = None,
         manifest: Manifest | None = None,
     ):
+        if read_threads is not None and read_threads < 1:
+            raise BadInputError(f"read_threads must be at least 1, got {read_threads}")
         self.storage = open_storage(path)
         self.storage.check_root()
         # Where the dataset lives, as given: a local path or a URL.
         self.path: str = self.storage.root
         self.verify_reads = verify_reads
+        self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._readers: list[SegmentReader] = []
         self._tables: list[pa.Table] = []
         self._load(
@@ -277,10 +295,16 @@ class Dataset:
             "path": self.storage,
             "version": self.manifest.version,
             "verify": self.verify_reads,
+            "read_threads": self.read_threads,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], version=state["version"], verify_reads=state["verify"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["path"],
+            version=state["version"],
+            verify_reads=state["verify"],
+            read_threads=state.get("read_threads"),
+        )
 
     # -- description ---------------------------------------------------------------------------
     @property
@@ -411,7 +435,13 @@ class Dataset:
         """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)
         of the dataset's dtype; for an fp8 dataset ``out`` may instead be bf16, which receives
         the values as `Sample.dequantized` computes them."""
-        self._read(self._check_position(i), self._check_layers(layers), out, values_out_ok=True)
+        self._read(
+            self._check_position(i),
+            self._check_layers(layers),
+            out,
+            values_out_ok=True,
+            threads=self.read_threads,
+        )
         return out
 
     def read_hidden_many_into(
@@ -470,7 +500,7 @@ class Dataset:
         """Sample ``i`` in storage order; ``layers`` picks stored layers by position."""
         i = self._check_position(i)
         layer_list = self._check_layers(layers)
-        ids, mask, scales, hidden = self._read(i, layer_list, out)
+        ids, mask, scales, hidden = self._read(i, layer_list, out, threads=self.read_threads)
         return Sample(
             sample_id=self.sample_ids[i],
             input_ids=torch.from_numpy(ids.astype(np.int64)),
@@ -486,6 +516,7 @@ class Dataset:
         out: torch.Tensor | None,
         *,
         values_out_ok: bool = False,
+        threads: int = 1,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, torch.Tensor]:
         width = self.manifest.num_layers if layers is None else len(layers)
         shape = (int(self._index.len[i]), width, self.manifest.hidden_size)
@@ -511,14 +542,22 @@ class Dataset:
                 f"{out.dtype} {tuple(out.shape)}",
                 path=str(self.path),
             )
-        ids, mask, scales = self._decode(i, layers, storage_view(out), columns=True)
+        ids, mask, scales = self._decode(
+            i, layers, storage_view(out), columns=True, threads=threads
+        )
         if values_out is not None:
             fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
             out = values_out
         return ids, mask, scales, out
 
     def _decode(
-        self, i: int, layers: list[int] | None, np_out: np.ndarray, *, columns: bool
+        self,
+        i: int,
+        layers: list[int] | None,
+        np_out: np.ndarray,
+        *,
+        columns: bool,
+        threads: int = 1,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
         sample checksum when reads are verified and all layers are read. Returns its token
@@ -529,7 +568,7 @@ class Dataset:
         ids = mask = _NO_ROWS
         scales = None
         try:
-            reader.read_rows(row, row + n, layers, np_out, hasher=hasher)
+            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, threads=threads)
             if columns or hasher is not None:
                 ids = reader.column("input_ids")[row : row + n]
                 mask = reader.column("loss_mask")[row : row + n]

@@ -8,8 +8,10 @@ for `verify`. Writing a segment is `hsstore.segment_writer`.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +71,43 @@ def finish_checksum(
 # Decode buffers are per thread and shared by every segment reader, so a reading thread holds
 # about two chunks of scratch however many segments it has touched.
 _THREAD_SCRATCH = threading.local()
+
+# A sample's read is split between threads only where each share decodes at least this much:
+# handing a share to a pool thread costs tens of microseconds, a MiB decodes in about 0.5 ms.
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+class _ReadPool:
+    """The process's threads that decode shares of one sample's chunks beside the caller.
+
+    One pool for all datasets, created on first use and again in a forked child (a parent's
+    threads, and the state of its lock, do not carry over); it grows to the largest number of
+    helpers asked for. Its threads only decode and never wait on other tasks, so any number of
+    callers may share it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
+
+    def get(self, helpers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._size < helpers:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)  # running shares finish; new ones go here
+                self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="hsstore-read")
+                self._size = helpers
+            return self._pool
+
+    def forget(self) -> None:
+        """In a forked child: start afresh."""
+        self.__init__()  # type: ignore[misc]
+
+
+_READ_POOL = _ReadPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_READ_POOL.forget)
 
 
 @dataclass
@@ -333,13 +372,20 @@ class SegmentReader:
         out: np.ndarray,
         *,
         hasher: xxhash.xxh3_64 | None = None,
+        crc: bool | None = None,
+        threads: int = 1,
     ) -> None:
         """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
 
         ``out`` is a C-contiguous array of the storage dtype. ``layers=None`` means all layers.
         With a ``hasher`` (all layers only), every piece placed in ``out`` is fed to it in order
         right after it lands, while it is still in cache (the sample checksum costs no extra
-        pass over memory).
+        pass over memory). ``crc``: check each chunk's crc32c; by default only without a
+        ``hasher``, whose checksum covers the same bytes once decoded.
+
+        ``threads`` > 1: compressed rows of all layers are cut into up to that many shares of
+        whole chunks (at least `PARALLEL_MIN_BYTES` of decoded bytes each), decoded at once,
+        the first by this thread, so one read of a large sample keeps several cores decoding.
         """
         man = self.manifest
         layout = man.layout
@@ -357,6 +403,13 @@ class SegmentReader:
         if whole_rows and not man.codec.compressed:
             self._read_raw_rows(start, stop, out_bytes, hasher)
             return
+        if crc is None:
+            crc = hasher is None
+        if threads > 1 and whole_rows:
+            shares = self._shares(start, stop, threads)
+            if len(shares) > 1:
+                self._read_shares(shares, out, out_bytes, hasher, crc)
+                return
 
         # Per-chunk work is kept to the decode itself: shard state is looked up once per shard,
         # and the location string of a chunk is only built for an error.
@@ -390,7 +443,7 @@ class SegmentReader:
                 # sample: the thread's scratch keeps the last one decoded (chunks never change),
                 # with whether its crc was checked (a read without a sample checksum needs that).
                 cached = getattr(_THREAD_SCRATCH, "decoded", None)
-                if whole or cached not in ((self, c, j, True), (self, c, j, hasher is None)):
+                if whole or cached not in ((self, c, j, True), (self, c, j, crc)):
                     encoded = fetched.get((c, j))
                     if encoded is None:
                         encoded = self._read_chunk(key, mapped, offset, nbytes)
@@ -405,14 +458,14 @@ class SegmentReader:
                     try:
                         # The sample checksum, when it is verified, covers the decoded bytes:
                         # the chunk crc would check the same bytes a second time.
-                        self._codec.decode_into(encoded, dst, what=where, crc=hasher is None)
+                        self._codec.decode_into(encoded, dst, what=where, crc=crc)
                     except IntegrityError as exc:
                         raise IntegrityError(
                             exc.message, path=f"{where} chunk ({c}, {j})"
                         ) from None
                     if whole:
                         break  # whole_rows means a single layer chunk: the row loop ends here
-                    _THREAD_SCRATCH.decoded = (self, c, j, hasher is None)
+                    _THREAD_SCRATCH.decoded = (self, c, j, crc)
                 chunk = np.frombuffer(self._scratch("chunk", chunk_nbytes), man.storage_dtype)
                 rows = chunk.reshape(rpc, lpc, man.hidden_size)[lo - crow0 : hi - crow0]
                 if whole_rows:
@@ -423,6 +476,46 @@ class SegmentReader:
             if hasher is not None:
                 hasher.update(flat[(lo - start) * rb : (hi - start) * rb])
         self._unmap(key, span)
+
+    def _shares(self, start: int, stop: int, threads: int) -> list[tuple[int, int]]:
+        """Rows [start, stop) cut at chunk boundaries into at most ``threads`` runs of nearly
+        equal numbers of chunks, each decoding at least `PARALLEL_MIN_BYTES`."""
+        rpc = self.manifest.layout.rows_per_chunk
+        first, last = start // rpc, (stop - 1) // rpc
+        n = last - first + 1
+        k = min(threads, n, (stop - start) * self._row_bytes_chunk // PARALLEL_MIN_BYTES)
+        if k < 2:
+            return [(start, stop)]
+        bounds = [first + n * s // k for s in range(k + 1)]
+        return [(max(start, bounds[s] * rpc), min(stop, bounds[s + 1] * rpc)) for s in range(k)]
+
+    def _read_shares(
+        self,
+        shares: list[tuple[int, int]],
+        out: np.ndarray,
+        out_bytes: np.ndarray,
+        hasher: xxhash.xxh3_64 | None,
+        crc: bool,
+    ) -> None:
+        """Decode all layers of each share of rows, the first here and the others on the read
+        pool; feed the ``hasher`` the shares in row order, each as it is done."""
+        start = shares[0][0]
+        pool = _READ_POOL.get(len(shares) - 1)
+        futures: list[Future[None]] = [
+            pool.submit(self.read_rows, lo, hi, None, out[lo - start : hi - start], crc=crc)
+            for lo, hi in shares[1:]
+        ]
+        try:
+            lo, hi = shares[0]
+            self.read_rows(lo, hi, None, out[: hi - start], hasher=hasher, crc=crc)
+            for (lo, hi), done in zip(shares[1:], futures, strict=True):
+                done.result()
+                if hasher is not None:
+                    hasher.update(out_bytes[lo - start : hi - start])
+        finally:
+            for pending in futures:  # after an error: the shares still running write to `out`
+                pending.cancel()
+            wait(futures)
 
     def _unmap(self, key: str, span: tuple[int, int] | None) -> None:
         """Release the pages of a shard's map this read used (`Storage.unmap`): a reader's

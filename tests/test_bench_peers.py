@@ -24,6 +24,8 @@ def test_hsstore_only_race_prints_its_figures(tmp_path, capsys):
         rows = [line for line in out.splitlines() if line.startswith(name)]
         assert len(rows) == 2  # one row per data set
         assert all(float(line[len(name) :].split()[0]) > 1.2 for line in rows)  # ratio column
+    one_thread = [ln for ln in out.splitlines() if ln.startswith(f"hsstore {DEFAULT_CODEC}, 1 ")]
+    assert len(one_thread) == 2  # the per-sample reads decoding on the caller alone
     assert list(tmp_path.iterdir()) == []  # scratch removed
 
 

@@ -15,9 +15,11 @@ activations `[T, 7, 384]` bf16 (`tools/real_states.py`).
     python tools/bench_peers.py --peers none --quick   # hsstore only (no peer packages)
 
 Writes are timed once (wall and CPU seconds of all threads); reads are best-of --repeats,
-single-threaded, per sample into a reused buffer: sequential = storage order, random = one
-shuffled pass, warm = after an untimed pass, cold = the contender's files evicted from the page
-cache with posix_fadvise(DONTNEED) first (no system-wide drop). Every figure on the last line is
+per sample into a reused buffer, called from one thread: sequential = storage order, random =
+one shuffled pass, warm = after an untimed pass, cold = the contender's files evicted from the
+page cache with posix_fadvise(DONTNEED) first (no system-wide drop). hsstore decodes a large
+sample's chunks on its default `read_threads` (up to 4 cores; the "1 read thread" row decodes
+on the caller alone) and Lance schedules reads on its own threads; the others use the caller's. Every figure on the last line is
 a ratio measured in this run, the worse of the two data sets, except G (GB/s):
 
     ratio_vs_best_peer=A write_vs_best_compressed_peer=B rand_vs_seq_small=C
@@ -101,12 +103,23 @@ class Contender:
 
 
 class Hsstore(Contender):
-    def __init__(self, root: Path, samples: list[Sample], codec: str, *, format_2: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        samples: list[Sample],
+        codec: str,
+        *,
+        format_2: bool = False,
+        read_threads: int | None = None,
+    ):
         super().__init__(root, samples)
         self.codec = codec
         # format_2: the layout of format 2 (no sample alignment, ~1 MiB chunks)
         self.aligned = None if not format_2 else False
+        self.read_threads = read_threads
         self.name = f"hsstore {codec}" + (", format 2 layout" if format_2 else "")
+        if read_threads is not None:
+            self.name += f", {read_threads} read thread" + ("s" if read_threads > 1 else "")
 
     def write(self) -> None:
         ds = hsstore.create(self.root, layers=[LayerSpec(k + 1) for k in range(self.layers)],
@@ -117,7 +130,7 @@ class Hsstore(Contender):
                 w.add(f"s{i}", ids, torch.ones_like(ids), states)
 
     def open(self) -> None:
-        self.ds = hsstore.open(self.root)
+        self.ds = hsstore.open(self.root, read_threads=self.read_threads)
 
     def drop_maps(self) -> None:
         self.ds.close()  # reopens its files on the next read
@@ -386,6 +399,7 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
     factories: dict[str, Callable[[Path], Contender]] = {
         "hsstore": lambda p: Hsstore(p, samples, DEFAULT_CODEC),
         "hsstore-none": lambda p: Hsstore(p, samples, "none"),
+        "hsstore-1": lambda p: Hsstore(p, samples, DEFAULT_CODEC, read_threads=1),
         "hsstore-blosc": lambda p: Hsstore(p, samples, "blosc-zstd", format_2=True),
         "lance": lambda p: LanceRows(p, samples),
         "mds": lambda p: MosaicMDS(p, samples),
@@ -399,7 +413,7 @@ def race(name: str, samples: list[Sample], peers: list[str], args, work: Path):
     results: dict[str, Result] = {}
     # hsstore-blosc: format 2's default (blosc-zstd, unaligned ~1 MiB chunks), the baseline of
     # the codec and layout change, measured in the same run.
-    for key in ["hsstore", "hsstore-none", "hsstore-blosc", *peers]:
+    for key in ["hsstore", "hsstore-none", "hsstore-1", "hsstore-blosc", *peers]:
         results[key] = measure(factories[key](work / f"{name}-{key}"), raw_bytes, args.repeats, 1)
         if key != "hsstore" and key != "hsstore-none":
             shutil.rmtree(work / f"{name}-{key}")

@@ -4,7 +4,8 @@ Every figure is compared with baselines measured in the same run on the same sam
 (a) the raw-bytes read ceiling (one raw file per sample, readinto a reused buffer),
 (b) `torch.load` of one speculators-v1-style `.pt` per sample (mmap=False, weights_only=True),
 (c) safetensors, one file per sample.
-Reads are warm-cache, single-threaded, per sample, in storage order.
+Reads are warm-cache, single-threaded, per sample, in storage order (hsstore with
+``read_threads=1``; one more row reads compressed samples on its default read threads).
 
     python tools/bench_store.py                 # ~1 GB of scratch, a couple of minutes
     python tools/bench_store.py --quick         # smaller, for a smoke test
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
 from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.dataset import default_read_threads  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 
@@ -180,8 +182,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
             states = load_file(str(st_dir / f"hs_{i}.safetensors"))["hidden_states"]
             buf[: t * args.layers * args.hidden].copy_(states.view(-1))
 
-    def read_hs(path: Path, verify: bool):
-        ds = hsstore.open(path, verify_reads=verify)
+    def read_hs(path: Path, verify: bool, read_threads: int | None = 1):
+        ds = hsstore.open(path, verify_reads=verify, read_threads=read_threads)
 
         def go() -> None:
             for i, t in enumerate(lengths):
@@ -200,6 +202,9 @@ def run(args: argparse.Namespace, work: Path) -> None:
         "hsstore uncompressed, verified": read_hs(hs_raw, True),
         "hsstore uncompressed, unverified": read_hs(hs_raw, False),
         f"hsstore {DEFAULT_CODEC}, verified": read_hs(hs_z, True),
+        f"hsstore {DEFAULT_CODEC}, verified, {default_read_threads()} read threads": read_hs(
+            hs_z, True, None
+        ),
     }
     speeds = {}
     for name, fn in readers.items():
