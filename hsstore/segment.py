@@ -82,8 +82,9 @@ class _ReadPool:
 
     One pool for all datasets, created on first use and again in a forked child (a parent's
     threads, and the state of its lock, do not carry over); it grows to the largest number of
-    helpers asked for. Its threads only decode and never wait on other tasks, so any number of
-    callers may share it.
+    helpers asked for. Its threads only decode and never wait on other tasks, and a caller
+    decodes itself any share still queued when it gets there, so any number of callers may
+    share it.
     """
 
     def __init__(self) -> None:
@@ -498,7 +499,11 @@ class SegmentReader:
         crc: bool,
     ) -> None:
         """Decode all layers of each share of rows, the first here and the others on the read
-        pool; feed the ``hasher`` the shares in row order, each as it is done."""
+        pool; feed the ``hasher`` the shares in row order, each as it is done.
+
+        A share no pool thread has started by the time this thread gets to it is taken back and
+        decoded here: when many callers read at once and keep the pool busy, each does its own
+        work instead of waiting in the pool's queue."""
         start = shares[0][0]
         pool = _READ_POOL.get(len(shares) - 1)
         futures: list[Future[None]] = [
@@ -508,14 +513,18 @@ class SegmentReader:
         try:
             lo, hi = shares[0]
             self.read_rows(lo, hi, None, out[: hi - start], hasher=hasher, crc=crc)
-            for (lo, hi), done in zip(shares[1:], futures, strict=True):
-                done.result()
+            for (lo, hi), share in zip(shares[1:], futures, strict=True):
+                if share.cancel():
+                    self.read_rows(lo, hi, None, out[lo - start : hi - start], crc=crc)
+                else:
+                    share.result()
                 if hasher is not None:
                     hasher.update(out_bytes[lo - start : hi - start])
         finally:
             for pending in futures:  # after an error: the shares still running write to `out`
                 pending.cancel()
-            wait(futures)
+            # (a cancelled share counts as done only once a pool thread has dropped it)
+            wait([share for share in futures if not share.cancelled()])
 
     def _unmap(self, key: str, span: tuple[int, int] | None) -> None:
         """Release the pages of a shard's map this read used (`Storage.unmap`): a reader's

@@ -80,6 +80,30 @@ def test_a_split_read_from_object_storage(s3_url):
         assert torch.equal(ds.read(i).hidden.view(torch.int16), want.view(torch.int16)), f"s{i}"
 
 
+def test_a_busy_pool_leaves_the_shares_to_the_caller(tmp_path):
+    """With every pool thread held by other work, a split read neither waits for the pool nor
+    fails: the caller takes back the shares still queued and decodes them itself."""
+    written = _build(tmp_path / "ds")
+    ds = hsstore.open(tmp_path / "ds", read_threads=4)
+    pool = segment_module._READ_POOL.get(3)
+    release = threading.Event()
+    holders = [pool.submit(release.wait, 60) for _ in range(3)]
+    try:
+        finished = threading.Event()
+        result: list[torch.Tensor] = []
+
+        def read() -> None:
+            result.append(ds.get(BIG).hidden)
+            finished.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert finished.wait(30), "the read waited for the busy pool"
+        assert not any(h.done() for h in holders)  # the pool was busy all along
+        assert torch.equal(result[0].view(torch.int16), written[2].view(torch.int16))
+    finally:
+        release.set()
+
+
 def test_shares_cover_the_rows_once_on_chunk_boundaries(tmp_path):
     _build(tmp_path / "ds")
     ds = hsstore.open(tmp_path / "ds")
