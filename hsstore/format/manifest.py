@@ -43,8 +43,8 @@ from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 3
-# Format 1 wrote only full manifests without a checksum; they are still read (see FORMAT.md).
-OLDEST_READABLE_FORMAT = 1
+# Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
+# without a checksum (see FORMAT.md).
 
 # A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
 # nest, so a hostile or damaged one cannot make a reader recurse without limit.
