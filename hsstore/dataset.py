@@ -303,7 +303,7 @@ class Dataset:
             state["path"],
             version=state["version"],
             verify_reads=state["verify"],
-            read_threads=state.get("read_threads"),
+            read_threads=state["read_threads"],
         )
 
     # -- description ---------------------------------------------------------------------------

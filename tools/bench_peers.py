@@ -19,8 +19,9 @@ per sample into a reused buffer, called from one thread: sequential = storage or
 one shuffled pass, warm = after an untimed pass, cold = the contender's files evicted from the
 page cache with posix_fadvise(DONTNEED) first (no system-wide drop). hsstore decodes a large
 sample's chunks on its default `read_threads` (up to 4 cores; the "1 read thread" row decodes
-on the caller alone) and Lance schedules reads on its own threads; the others use the caller's. Every figure on the last line is
-a ratio measured in this run, the worse of the two data sets, except G (GB/s):
+on the caller alone) and Lance schedules reads on its own threads; the others use the caller's.
+Every figure on the last line is a ratio measured in this run, the worse of the two data sets,
+except G (GB/s):
 
     ratio_vs_best_peer=A write_vs_best_compressed_peer=B rand_vs_seq_small=C
     rand_vs_best_compressed_peer=D cold_rand_zstd_vs_none=E loader_small_vs_seq=F
