@@ -429,6 +429,25 @@ class Dataset:
             mask[sel] = self._readers[seg].column("loss_mask")[rows[sel]]
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
+    def will_read(
+        self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None
+    ) -> None:
+        """Samples about to be read (the loader hints its next batch while it decodes the
+        current one): on local disk the reads of their chunks start now, so the reads that
+        follow find them in memory instead of waiting for the device; on object storage
+        nothing happens. A hint: it neither checks nor decodes anything."""
+        layer_list = self._check_layers(layers)
+        index, n = self._index, len(self)
+        pos = np.asarray(positions, np.int64)
+        for k in np.flatnonzero((pos < -n) | (pos >= n))[:1].tolist():
+            raise IndexError(f"sample {int(pos[k])} out of range for a dataset of {n} samples")
+        pos = pos % max(n, 1)
+        segment, row, num_tokens = index.segment[pos], index.row[pos], index.len[pos]
+        for seg in np.unique(segment).tolist():
+            mine = segment == seg
+            starts = row[mine]
+            self._readers[seg].will_read_rows(starts, starts + num_tokens[mine], layer_list)
+
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
     ) -> torch.Tensor:

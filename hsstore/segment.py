@@ -431,6 +431,11 @@ class SegmentReader:
                 key = self._key(paths.shard_relpath(shard))
                 where = self.storage.path_of(key)
                 mapped = None if coalesce else self.storage.map(key)
+                if mapped is not None and self.storage.reads_ahead:
+                    end = min(last, (shard + 1) * cps - 1)
+                    self._will_read(
+                        key, idx[c - shard * cps : end - shard * cps + 1], list(by_chunk)
+                    )
             if coalesce and not any((c, j) in fetched for j in by_chunk):
                 fetched = self._fetch_chunks(c, last, list(by_chunk))
             for j, positions in by_chunk.items():
@@ -477,6 +482,48 @@ class SegmentReader:
             if hasher is not None:
                 hasher.update(flat[(lo - start) * rb : (hi - start) * rb])
         self._unmap(key, span)
+
+    def will_read_rows(
+        self, starts: np.ndarray, stops: np.ndarray, layers: Sequence[int] | None
+    ) -> None:
+        """Rows [starts[k], stops[k]) of the given stored layers (None: all) are about to be
+        read: hand the storage the bytes of their chunks, shard by shard, so that reads from
+        disk are under way before the decoding gets to them (`Storage.will_read`)."""
+        if not self.storage.reads_ahead or not len(starts):
+            return
+        layout = self.manifest.layout
+        rpc, lpc, cps = layout.rows_per_chunk, layout.layers_per_chunk, layout.chunks_per_shard
+        first = np.asarray(starts, np.int64) // rpc
+        counts = (np.asarray(stops, np.int64) - 1) // rpc - first + 1
+        # Every row chunk of every run: first[k], first[k] + 1, ... for counts[k] chunks.
+        ends = np.cumsum(counts)
+        chunks = np.unique(np.arange(ends[-1]) - np.repeat(ends - counts - first, counts))
+        wanted = range(self.manifest.num_layers) if layers is None else layers
+        layer_chunks = sorted({layer // lpc for layer in wanted})
+        for shard in np.unique(chunks // cps).tolist():
+            in_shard = chunks[chunks // cps == shard] - shard * cps
+            key = self._key(paths.shard_relpath(shard))
+            try:
+                self._will_read(key, self.shard_index(shard)[in_shard], layer_chunks)
+            except (HsstoreError, OSError):
+                continue  # a hint fails nothing: the read that needs these bytes reports it
+
+    def _will_read(self, key: str, entries: np.ndarray, layer_chunks: list[int]) -> None:
+        """Hand the storage the byte ranges of a shard's chunks that a read is about to decode
+        (``entries``: its index rows for those row chunks), merged where they lie back to back,
+        so their reads from disk are under way before the first is decoded."""
+        ranges: list[tuple[int, int]] = []
+        for row in entries.tolist():
+            for j in layer_chunks:
+                offset, nbytes = row[j]
+                if offset == zarr_meta.EMPTY:
+                    continue  # reported by the read itself
+                if ranges and ranges[-1][0] + ranges[-1][1] == offset:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + nbytes)
+                else:
+                    ranges.append((offset, nbytes))
+        if ranges:
+            self.storage.will_read(key, ranges)
 
     def _shares(self, start: int, stop: int, threads: int) -> list[tuple[int, int]]:
         """Rows [start, stop) cut at chunk boundaries into at most ``threads`` runs of nearly
@@ -611,6 +658,8 @@ class SegmentReader:
         # Runs stay a few MiB so the checksum reads them back from cache, unless the storage
         # wants longer requests (one round trip each on an object store).
         run_cap = max(4 << 20, self.storage.coalesce_bytes)
+        if (stop - start) * rb > run_cap:  # several reads: have them all coming from disk at once
+            self.will_read_rows(np.array([start]), np.array([stop]), None)
         c, last = start // rpc, (stop - 1) // rpc
         run_lo = 0
         while c <= last:

@@ -10,7 +10,7 @@ DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batch
 * direct: the core's ``read_hidden_into`` in storage order, one thread, no loader (the decode
   bound the loader's single-thread figure is measured against);
 * hsstore loader, uncompressed and compressed, with 1 decode thread and with all cores (and
-  uncompressed without the whole-sample CRC check, ``+noverify``);
+  uncompressed without the whole-sample checksum, ``+noverify``);
 * v1: ``torch.load(mmap=True)`` per sample, aux layers concatenated, speculators' packing
   collate (cat + pad), ``DataLoader`` with one worker per core, same batches;
 * cold: the ceiling and the loaders again after evicting the files from the page cache with
@@ -158,7 +158,7 @@ def _direct_runner(path: Path, max_tokens: int):
     """The core's decode alone: ``read_hidden_into`` in storage order, one thread, no loader."""
     import hsstore
 
-    ds = hsstore.open(path)
+    ds = hsstore.open(path, read_threads=1)  # one thread: a sample's chunks are not split
     lengths = ds.index.column("num_tokens").to_numpy()
     row = len(ds.layers) * ds.hidden_size
     buf = torch.zeros(int(lengths.max()) * row, dtype=ds.dtype)
@@ -424,7 +424,7 @@ def main() -> None:
           f"compressed/v1 {g[f'hs_{COMPRESSED}:{n}:cold'] / g[f'v1:{n}:cold']:.2f}")  # fmt: skip
     print(f"compressed loader (1 thread) vs the core's own sequential decode (1 thread): "
           f"{comp1 / g[f'direct-hs_{COMPRESSED}:1:warm']:.2f}")  # fmt: skip
-    print(f"uncompressed loader without whole-sample CRC checks (verify_reads=False) vs ceiling: "
+    print(f"uncompressed loader without whole-sample checksums (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
     print(

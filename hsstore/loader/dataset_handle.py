@@ -142,6 +142,11 @@ class DatasetSource:
         ``positions[k]``, back to back, as int64 (a batch's token columns in one call)."""
         return self.ds.read_tokens_many(positions, takes)
 
+    def will_read(self, positions: np.ndarray, layers: list[int]) -> None:
+        """The samples of a batch about to be decoded (`Dataset.will_read`)."""
+        whole = layers == self._all_layers
+        self.ds.will_read(positions, layers=None if whole else layers)
+
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
 

@@ -12,7 +12,9 @@ With a single decode thread there is no pool: the producer decodes each batch it
 its padding and token columns. Handing every batch to another thread bought an overlap of
 about half a millisecond per batch and cost as much in GIL hand-offs: the decoding thread
 blocked on the GIL some 15 times per batch (measured on 2 shared cores). Padding is written
-only where a buffer may hold stale rows (``HostBuffers.clean_from``). At most ``prefetch``
+only where a buffer may hold stale rows (``HostBuffers.clean_from``). Before a batch is
+decoded, the next one's samples are handed to the storage (`Dataset.will_read`): on local disk
+their chunks come in from the device while this batch decodes. At most ``prefetch``
 batches wait in the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers
 whatever the speed of the consumer.
 
@@ -170,7 +172,10 @@ class BatchFetcher:
 
     def _produce(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
         try:
-            for samples, tokens in batches:
+            upcoming = next(batches, None)
+            while upcoming is not None:
+                samples, tokens = upcoming
+                upcoming = next(batches, None)
                 b, t = self.shape.dims(tokens)
                 if self._reuse:
                     buf = self._take_free()
@@ -194,6 +199,8 @@ class BatchFetcher:
                     )
                     input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
+                    if upcoming is not None:  # its reads from disk overlap this batch's decoding
+                        self.source.will_read(upcoming[0], self._layers)
                 except BaseException:
                     todo.clear()
                     raise

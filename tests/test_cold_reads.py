@@ -1,0 +1,214 @@
+"""Reads of data that is not in the page cache: a read asks the kernel for the bytes it is about
+to decode, all at once and nothing else (no readahead window around the first page fault)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hsstore
+from hsstore import LayerSpec
+from hsstore.format.store import LocalStorage
+from hsstore.loader import Loader
+from hsstore.loader.fetch import BatchFetcher
+from tools.synthetic import llm_like_states
+
+PAGE = 4096
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]  # fmt: skip
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def cached_pages(path: Path) -> list[int]:
+    """The page numbers of the file that are in the page cache (`mincore`, which, unlike a
+    probing read, starts no readahead of its own)."""
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+        try:
+            vec = ctypes.create_string_buffer(-(-size // PAGE))
+            assert _libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+            return [p for p, flag in enumerate(vec.raw) if flag & 1]
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def evictable(path: Path) -> bool:
+    """Whether this file system drops clean pages on request (tmpfs keeps them)."""
+    evict(path)
+    return not cached_pages(path)
+
+
+def test_will_read_brings_exactly_the_ranges_into_the_page_cache(tmp_path):
+    store = LocalStorage(tmp_path)
+    data = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
+    store.write_file("shard", [data])
+    store.sync(["shard"])
+    if not evictable(tmp_path / "shard"):
+        pytest.skip("this file system keeps pages cached or cannot probe them")
+    # Larger than one hint piece, and two ranges: every byte of both must arrive.
+    ranges = [(1 << 20, 3 << 20), (8 << 20, (3 << 19) + 100)]
+    store.will_read("shard", ranges)
+    wanted = {p for start, n in ranges for p in range(start // PAGE, -(-(start + n) // PAGE))}
+    deadline = time.monotonic() + 10
+    while not wanted <= set(cached_pages(tmp_path / "shard")):
+        assert time.monotonic() < deadline, "hinted pages never arrived"
+        time.sleep(0.01)
+    got = set(cached_pages(tmp_path / "shard"))
+    assert not got & set(range((12 << 20) // PAGE, (16 << 20) // PAGE))  # nothing past them
+    buf = bytearray(100)
+    assert store.read_into("shard", 9 << 20, memoryview(buf)) == 100
+    assert bytes(buf) == data[9 << 20 : (9 << 20) + 100]
+
+
+def test_will_read_leaves_cached_ranges_alone_and_takes_no_ranges(tmp_path):
+    store = LocalStorage(tmp_path)
+    store.write_file("f", [b"x" * 10000])
+    store.will_read("f", [])
+    store.will_read("f", [(0, 10000)])  # cached: probed, nothing else
+    out = bytearray(10000)
+    assert store.read_into("f", 0, memoryview(out)) == 10000 and bytes(out) == b"x" * 10000
+
+
+@pytest.mark.parametrize("codec", ["split-zstd", "none"])
+def test_a_cold_read_of_one_sample_reads_only_that_sample(tmp_path, codec):
+    """The reads of a sample of ~110 kB from a 20 MB shard file bring in that sample's chunks,
+    not the device's readahead window around them (8 MiB on some machines), and decode the
+    written bits."""
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=1024,
+                        dtype=torch.bfloat16, codec=codec)  # fmt: skip
+    samples = [llm_like_states(48, 2, 1024, seed=k) for k in range(100)]
+    with ds.writer() as w:
+        for k, states in enumerate(samples):
+            w.add(f"s{k}", torch.arange(48), torch.ones(48, dtype=torch.int64), states)
+    ds = hsstore.open(root, read_threads=1)
+    ds.read(0)  # loads the shard index
+    ds.close()  # and lets go of the pages it mapped (the next read maps the files again)
+    shards = sorted(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
+    assert len(shards) == 1 and shards[0].stat().st_size > 12 << 20
+    if not evictable(shards[0]):
+        pytest.skip("this file system keeps pages cached or cannot probe them")
+    k = 60
+    out = torch.empty(48, 2, 1024, dtype=torch.bfloat16)
+    ds.read_hidden_into(k, out)
+    assert torch.equal(out.view(torch.int16), samples[k].view(torch.int16))
+    pages = cached_pages(shards[0])
+    sample_bytes = 48 * 2 * 1024 * 2
+    assert pages and len(pages) * PAGE <= sample_bytes + 64 * PAGE, len(pages)
+    ds.close()
+
+
+def test_the_loader_reads_its_next_batch_from_disk_while_it_decodes_this_one(tmp_path):
+    """While the loader decodes a batch, the chunks of the next are already coming from disk:
+    held before it starts on the next batch, the loader has that batch's bytes in memory
+    without having read any of them (uncompressed, so no per-sample hint is involved)."""
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=1024,
+                        dtype=torch.bfloat16, codec="none")  # fmt: skip
+    samples = [llm_like_states(48, 2, 1024, seed=k) for k in range(100)]
+    with ds.writer() as w:
+        for k, states in enumerate(samples):
+            w.add(f"s{k}", torch.arange(48), torch.ones(48, dtype=torch.int64), states)
+    loader = Loader(root, max_tokens=4 * 48, shuffle=False, num_threads=1, prefetch=1)
+    shard = next(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
+    if not evictable(shard):
+        pytest.skip("this file system keeps pages cached or cannot probe them")
+    reader = loader.source.ds._readers[0]
+    rpc = reader.manifest.layout.rows_per_chunk
+    chunks = reader.shard_index(0)[60 * 48 // rpc : -(-64 * 48 // rpc), 0]  # samples 60-63
+    far = set(range(int(chunks[0, 0]) // PAGE, -(-int(chunks[-1].sum()) // PAGE)))
+    tokens = np.full(4, 48)
+    held = threading.Event()
+
+    def batches():
+        yield np.arange(4), tokens  # the start of the shard
+        yield np.arange(60, 64), tokens  # 11 MB further on, 7 MB before its end
+        held.wait(30)  # the loader asks for the batch after that before it decodes 60-63
+
+    fetcher = BatchFetcher(loader.source, loader.choice, loader.shape, batches(), num_threads=1)
+    try:
+        first = next(fetcher)
+        assert first.sample_index.tolist() == [0, 1, 2, 3]
+        deadline = time.monotonic() + 10
+        while not far <= set(cached_pages(shard)):
+            assert time.monotonic() < deadline, "the next batch's chunks were never read ahead"
+            time.sleep(0.01)
+        held.set()
+        second = next(fetcher)
+        assert second.sample_index.tolist() == [60, 61, 62, 63]
+        rows = second.hidden.reshape(-1, 2, 1024)
+        assert torch.equal(rows.view(torch.int16), torch.cat(samples[60:64]).view(torch.int16))
+    finally:
+        held.set()
+        fetcher.close()
+
+
+def test_will_read_refuses_positions_and_layers_a_read_would_refuse(tmp_path):
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
+                        dtype=torch.bfloat16)  # fmt: skip
+    with ds.writer() as w:
+        for k in range(3):
+            w.add(f"s{k}", torch.arange(5), torch.ones(5, dtype=torch.int64),
+                  llm_like_states(5, 2, 64, seed=k))  # fmt: skip
+    ds = hsstore.open(root)
+    ds.will_read([])
+    ds.will_read(np.array([2, 0, -1]), layers=[1])  # negative positions count from the end
+    with pytest.raises(IndexError, match="sample 3 out of range"):
+        ds.will_read([0, 3])
+    with pytest.raises(IndexError, match="layer position 2 out of range"):
+        ds.will_read([0], layers=[2])
+    assert torch.equal(ds.read(2, layers=[1]).hidden, ds.read(2).hidden[:, 1:])
+
+
+def test_will_read_on_object_storage_does_nothing_and_reads_stay_right(s3_url):
+    ds = hsstore.create(s3_url, layers=[LayerSpec(1)], hidden_size=64, dtype=torch.bfloat16)
+    states = llm_like_states(40, 1, 64, seed=1)
+    with ds.writer() as w:
+        w.add("s0", torch.arange(40), torch.ones(40, dtype=torch.int64), states)
+    ds = hsstore.open(s3_url)
+    assert not ds.storage.reads_ahead
+    ds.will_read([0])
+    assert torch.equal(ds[0].hidden.view(torch.int16), states.view(torch.int16))
+
+
+def test_a_hint_over_a_damaged_shard_index_leaves_the_report_to_the_read(tmp_path):
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1)], hidden_size=64, dtype=torch.bfloat16)
+    with ds.writer() as w:
+        w.add("s0", torch.arange(40), torch.ones(40, dtype=torch.int64), llm_like_states(40, 1, 64))
+    shard = next(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0xFF  # inside the shard index, under its crc32c
+    shard.write_bytes(bytes(data))
+    ds = hsstore.open(root)
+    ds.will_read([0])
+    with pytest.raises(hsstore.IntegrityError, match="shard index"):
+        ds.read(0)
