@@ -21,7 +21,7 @@ from hsstore.loader import Loader
 from hsstore.loader.fetch import BatchFetcher
 from tools.synthetic import llm_like_states
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 
 
 def evict(path: Path) -> None:
@@ -71,7 +71,7 @@ def test_will_read_brings_exactly_the_ranges_into_the_page_cache(tmp_path):
     store.write_file("shard", [data])
     store.sync(["shard"])
     if not evictable(tmp_path / "shard"):
-        pytest.skip("this file system keeps pages cached or cannot probe them")
+        pytest.skip("this file system keeps clean pages cached (tmpfs)")
     # Larger than one hint piece, and two ranges: every byte of both must arrive.
     ranges = [(1 << 20, 3 << 20), (8 << 20, (3 << 19) + 100)]
     store.will_read("shard", ranges)
@@ -114,7 +114,7 @@ def test_a_cold_read_of_one_sample_reads_only_that_sample(tmp_path, codec):
     shards = sorted(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
     assert len(shards) == 1 and shards[0].stat().st_size > 12 << 20
     if not evictable(shards[0]):
-        pytest.skip("this file system keeps pages cached or cannot probe them")
+        pytest.skip("this file system keeps clean pages cached (tmpfs)")
     k = 60
     out = torch.empty(48, 2, 1024, dtype=torch.bfloat16)
     ds.read_hidden_into(k, out)
@@ -139,7 +139,7 @@ def test_the_loader_reads_its_next_batch_from_disk_while_it_decodes_this_one(tmp
     loader = Loader(root, max_tokens=4 * 48, shuffle=False, num_threads=1, prefetch=1)
     shard = next(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
     if not evictable(shard):
-        pytest.skip("this file system keeps pages cached or cannot probe them")
+        pytest.skip("this file system keeps clean pages cached (tmpfs)")
     reader = loader.source.ds._readers[0]
     rpc = reader.manifest.layout.rows_per_chunk
     chunks = reader.shard_index(0)[60 * 48 // rpc : -(-64 * 48 // rpc), 0]  # samples 60-63
