@@ -31,8 +31,9 @@ from hsstore.format.layout import Layout
 from hsstore.format.lease import DEFAULT_TTL_S
 from hsstore.format.locations import open_storage
 from hsstore.format.manifest import Manifest, ModelInfo, now_iso
+from hsstore.format.sample_index import INDEX_SCHEMA, finish_checksum
 from hsstore.format.store import Storage
-from hsstore.segment import SegmentReader, finish_checksum
+from hsstore.segment import SegmentReader
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
 
@@ -636,8 +637,6 @@ class _JoinedIndex:
     """The sample index of every segment, joined (built on first use after each refresh)."""
 
     def __init__(self, tables: list[pa.Table]):
-        from hsstore.segment import INDEX_SCHEMA
-
         parts = [
             t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32)))
             for k, t in enumerate(tables)

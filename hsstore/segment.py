@@ -24,49 +24,8 @@ from hsstore.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.format import paths, zarr_meta
 from hsstore.format.manifest import Manifest, SegmentInfo
+from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.store import Storage
-
-INDEX_SCHEMA = pa.schema(
-    [
-        pa.field("sample_id", pa.string(), nullable=False),
-        pa.field("row_offset", pa.int64(), nullable=False),
-        pa.field("num_tokens", pa.int64(), nullable=False),
-        pa.field("num_loss_tokens", pa.int64(), nullable=False),
-        pa.field("checksum", pa.uint64(), nullable=False),
-        pa.field("zero_rows", pa.int32(), nullable=False),
-        pa.field("nonfinite_rows", pa.int32(), nullable=False),
-        pa.field("source", pa.string(), nullable=True),
-    ]
-)
-COLUMN_ZSTD_LEVEL = 3
-
-
-def sample_checksum(
-    hidden: np.ndarray,
-    input_ids: np.ndarray,
-    loss_mask: np.ndarray,
-    scales: np.ndarray | None = None,
-) -> int:
-    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask,
-    then (scaled dtypes only) the per-token scales."""
-    hasher = xxhash.xxh3_64()
-    hasher.update(memoryview(np.ascontiguousarray(hidden)).cast("B"))
-    return finish_checksum(hasher, input_ids, loss_mask, scales)
-
-
-def finish_checksum(
-    hasher: xxhash.xxh3_64,
-    input_ids: np.ndarray,
-    loss_mask: np.ndarray,
-    scales: np.ndarray | None = None,
-) -> int:
-    """Finish a sample checksum from a hasher that has seen its states bytes."""
-    hasher.update(memoryview(np.ascontiguousarray(input_ids)).cast("B"))
-    hasher.update(memoryview(np.ascontiguousarray(loss_mask)).cast("B"))
-    if scales is not None:
-        hasher.update(memoryview(np.ascontiguousarray(scales)).cast("B"))
-    return hasher.intdigest()
-
 
 # Decode buffers are per thread and shared by every segment reader, so a reading thread holds
 # about two chunks of scratch however many segments it has touched.

@@ -1,0 +1,53 @@
+"""What a segment's ``index.parquet`` holds, and the checksum each of its rows carries.
+
+One row per sample (docs/FORMAT.md, "The sample index"). The checksum is XXH3-64 over the sample's
+stored bytes in a fixed order, so a reader can check a whole-sample read without a second
+pass: it feeds the states to the hasher as they are decoded (`finish_checksum` adds the rest).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("row_offset", pa.int64(), nullable=False),
+        pa.field("num_tokens", pa.int64(), nullable=False),
+        pa.field("num_loss_tokens", pa.int64(), nullable=False),
+        pa.field("checksum", pa.uint64(), nullable=False),
+        pa.field("zero_rows", pa.int32(), nullable=False),
+        pa.field("nonfinite_rows", pa.int32(), nullable=False),
+        pa.field("source", pa.string(), nullable=True),
+    ]
+)
+COLUMN_ZSTD_LEVEL = 3
+
+
+def sample_checksum(
+    hidden: np.ndarray,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
+    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask,
+    then (scaled dtypes only) the per-token scales."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(memoryview(np.ascontiguousarray(hidden)).cast("B"))
+    return finish_checksum(hasher, input_ids, loss_mask, scales)
+
+
+def finish_checksum(
+    hasher: xxhash.xxh3_64,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
+    """Finish a sample checksum from a hasher that has seen its states bytes."""
+    hasher.update(memoryview(np.ascontiguousarray(input_ids)).cast("B"))
+    hasher.update(memoryview(np.ascontiguousarray(loss_mask)).cast("B"))
+    if scales is not None:
+        hasher.update(memoryview(np.ascontiguousarray(scales)).cast("B"))
+    return hasher.intdigest()
