@@ -270,7 +270,8 @@ class LocalStorage(Storage):
 
     def will_read(self, key: str, ranges: list[tuple[int, int]]) -> None:
         """Start reading the ranges from disk now (`posix_fadvise(WILLNEED)`, which returns once
-        the reads are queued), so the faults on the map wait for reads already under way.
+        the reads are queued), so the reads that follow (faults on the map, or `preadv`s) wait
+        only for reads already under way.
 
         Without it a fault on an uncached page of the map reads the device's whole readahead
         window around it, and waits for it: with an 8 MiB ``read_ahead_kb`` a cold random read
