@@ -61,3 +61,39 @@ def test_exit_with_an_open_loader_stops_its_threads(tmp_path, threads):
         lines = proc.stdout.split()
         assert lines == ["broke", "out", "alive:"], (lines, proc.stderr)
         assert "Exception ignored" not in proc.stderr, proc.stderr
+
+
+# A script holding a loader in a module global, that also imports the loader's module by
+# name: at exit that module's globals are torn down first, and the loader's __del__ used to
+# print "Exception ignored ... 'NoneType' object has no attribute 'suppress'".
+MODULE_GLOBAL_CHILD = textwrap.dedent(
+    """
+    import sys
+    import hsstore.loader.train_loader as train_loader
+    from hsstore.loader import Loader
+
+    loader = Loader(sys.argv[1], max_tokens=256, num_threads=int(sys.argv[2]), prefetch=2)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        batches = sum(1 for _ in loader)
+        loader.close()
+    print("batches", batches, train_loader.Loader is Loader, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exit_with_a_loader_in_a_module_global_prints_nothing(tmp_path, threads):
+    path = tmp_path / "ds"
+    ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
+                        dtype=torch.bfloat16)  # fmt: skip
+    with ds.writer() as w:
+        for i in range(12):
+            w.add(f"s{i}", *random_sample(30 + i, 2, 64, seed=i))
+    proc = subprocess.run(
+        [sys.executable, "-c", MODULE_GLOBAL_CHILD, str(path), str(threads)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "batches" and int(proc.stdout.split()[1]) > 1, proc.stdout
+    assert proc.stderr == "", proc.stderr

@@ -77,7 +77,8 @@ class DatasetSource:
         """dataset: a path, a URL (s3://, gs://, az://, file://), a Storage or an open Dataset.
 
         verify_reads: check every whole-sample read against its stored checksum (the core's
-        default; costs a CRC pass over the bytes). None: the given dataset's setting, or True."""
+        default; costs an XXH3-64 pass over the bytes). None: the given dataset's setting, or
+        True."""
         if isinstance(dataset, Dataset):
             ds = dataset
             self.verify_reads = ds.verify_reads if verify_reads is None else verify_reads

@@ -354,5 +354,9 @@ class BatchFetcher:
             self._pool.shutdown(wait=True)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: at interpreter exit this module's globals may already be
+        # None when the last reference goes, and a failing __del__ prints a traceback.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass

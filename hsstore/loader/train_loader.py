@@ -17,7 +17,6 @@ was prefetched.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -167,8 +166,12 @@ class Loader(PlannedEpochs):
             pipe.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: at interpreter exit this module's globals may already be
+        # None when the last reference goes, and a failing __del__ prints a traceback.
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
     def _release_if_moved(self) -> None:
         """Batches decoded for another position are of no use: stop decoding them now."""
