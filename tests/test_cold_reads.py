@@ -1,5 +1,6 @@
 """Reads of data that is not in the page cache: a read asks the kernel for the bytes it is about
-to decode, all at once and nothing else (no readahead window around the first page fault)."""
+to decode and nothing else (no readahead window around the first page fault), a compressed read
+chunk by chunk a little ahead of its decoding, the loader a whole batch ahead."""
 
 from __future__ import annotations
 
@@ -122,6 +123,58 @@ def test_a_cold_read_of_one_sample_reads_only_that_sample(tmp_path, codec):
     pages = cached_pages(shards[0])
     sample_bytes = 48 * 2 * 1024 * 2
     assert pages and len(pages) * PAGE <= sample_bytes + 64 * PAGE, len(pages)
+    ds.close()
+
+
+class HintLog(LocalStorage):
+    """A local dataset directory that logs the read hints it is given (and acts on them)."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.hints: list[tuple[str, list[tuple[int, int]], bool]] = []
+
+    def will_read(self, key, ranges, *, unless_resident=True):
+        self.hints.append((key, list(ranges), unless_resident))
+        super().will_read(key, ranges, unless_resident=unless_resident)
+
+
+def test_a_cold_compressed_read_asks_for_its_chunks_in_order_a_few_at_a_time(tmp_path):
+    """Asked for all at once, a sample's chunks share the disk and arrive together, so the
+    decoding waits for the last; asked in order, each arrives while an earlier one decodes.
+    The first hint is the first chunk alone, each chunk is asked for once, and a warm read
+    asks for nothing."""
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=1024,
+                        dtype=torch.bfloat16, codec="split-zstd")  # fmt: skip
+    samples = [llm_like_states(t, 2, 1024, seed=t) for t in (704, 900)]
+    with ds.writer() as w:
+        for k, states in enumerate(samples):
+            t = states.shape[0]
+            w.add(f"s{k}", torch.arange(t), torch.ones(t, dtype=torch.int64), states)
+    store = HintLog(root)
+    ds = hsstore.open(store, read_threads=1)
+    reader = ds.segment_reader(0)
+    rpc = reader.manifest.layout.rows_per_chunk
+    first, last = 704 // rpc, (1604 - 1) // rpc  # sample 1's row chunks
+    assert 704 % rpc == 0 and last - first >= 3 and last < reader.manifest.layout.chunks_per_shard
+    index = reader.shard_index(0)
+    wanted = [(int(index[c, 0, 0]), int(index[c, 0, 1])) for c in range(first, last + 1)]
+    ds.read(0)  # loads the shard index
+    ds.close()
+    shard = next(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
+    if not evictable(shard):
+        pytest.skip("this file system keeps clean pages cached (tmpfs)")
+    store.hints.clear()
+    out = torch.empty(900, 2, 1024, dtype=torch.bfloat16)
+    ds.read_hidden_into(1, out)
+    assert torch.equal(out.view(torch.int16), samples[1].view(torch.int16))
+    asked = store.hints
+    assert len({key for key, _, _ in asked}) == 1  # the one shard
+    assert [r for _, ranges, _ in asked for r in ranges] == wanted  # each once, in order
+    assert all(len(ranges) == 1 and not probed for _, ranges, probed in asked)
+    store.hints.clear()
+    ds.read_hidden_into(1, out)  # warm
+    assert store.hints == []
     ds.close()
 
 

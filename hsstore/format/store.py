@@ -87,10 +87,18 @@ class Storage(abc.ABC):
         """Done reading this range of a `map` view for now (nothing where nothing is mapped)."""
         return None
 
-    def will_read(self, key: str, ranges: list[tuple[int, int]]) -> None:
+    def will_read(
+        self, key: str, ranges: list[tuple[int, int]], *, unless_resident: bool = True
+    ) -> None:
         """These (offset, nbytes) ranges of the object are about to be read: a backend that
-        `reads_ahead` starts fetching them now, all at once; the others do nothing."""
+        `reads_ahead` starts fetching them now, all at once (with ``unless_resident``, only
+        those not already in local memory); the others do nothing."""
         return None
+
+    def resident(self, key: str, offset: int, nbytes: int) -> bool:
+        """Whether the range's bytes are in local memory already, judged on its first and last
+        byte (a backend that `reads_ahead`); False where there is no local copy to ask about."""
+        return False
 
     @abc.abstractmethod
     def size(self, key: str) -> int: ...
@@ -268,7 +276,9 @@ class LocalStorage(Storage):
                 self._maps.popitem(last=False)
         return memoryview(mapped)
 
-    def will_read(self, key: str, ranges: list[tuple[int, int]]) -> None:
+    def will_read(
+        self, key: str, ranges: list[tuple[int, int]], *, unless_resident: bool = True
+    ) -> None:
         """Start reading the ranges from disk now (`posix_fadvise(WILLNEED)`, which returns once
         the reads are queued), so the reads that follow (faults on the map, or `preadv`s) wait
         only for reads already under way.
@@ -280,19 +290,28 @@ class LocalStorage(Storage):
         so the faults that follow start no further reads. The kernel caps one hint at the
         device's largest request or readahead window, hence the pieces.
 
-        A range already in the page cache is left alone: the hint would look up every one of
-        its pages again, so its first and last byte are probed first with reads that fail
-        instead of waiting for the disk."""
+        With ``unless_resident`` a range already in the page cache is left alone: the hint
+        would look up every one of its pages again, so its first and last byte are probed first
+        with reads that fail instead of waiting for the disk (`resident`)."""
         if not ranges or not self.reads_ahead:
             return
         fd = self._open_fd(key)
         try:
             for offset, nbytes in ranges:
-                if _cached(fd, offset) and _cached(fd, offset + nbytes - 1):
+                if unless_resident and _cached(fd, offset) and _cached(fd, offset + nbytes - 1):
                     continue
                 for at in range(offset, offset + nbytes, _HINT_PIECE_BYTES):
                     piece = min(_HINT_PIECE_BYTES, offset + nbytes - at)
                     os.posix_fadvise(fd, at, piece, os.POSIX_FADV_WILLNEED)
+        finally:
+            self._release_fd(key, fd)
+
+    def resident(self, key: str, offset: int, nbytes: int) -> bool:
+        if not self.reads_ahead:
+            return False
+        fd = self._open_fd(key)
+        try:
+            return _cached(fd, offset) and _cached(fd, offset + nbytes - 1)
         finally:
             self._release_fd(key, fd)
 
