@@ -26,6 +26,7 @@ from hsstore.format import paths, zarr_meta
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.store import Storage
+from hsstore.read_ahead import ColdChunks, chunk_ranges
 
 # Decode buffers are per thread and shared by every segment reader, so a reading thread holds
 # about two chunks of scratch however many segments it has touched.
@@ -90,79 +91,6 @@ class ShardCheck:
     @property
     def ok(self) -> bool:
         return self.error is None and not self.chunks
-
-
-# A cold read asks for this many chunks beyond the one it waits for (`_ColdChunks`).
-COLD_CHUNKS_AHEAD = 2
-
-
-class _ColdChunks:
-    """The chunks of one shard that a read decodes, while they are not in memory, asked of
-    the storage a few at a time so that they arrive in order, each while an earlier one
-    decodes.
-
-    Asked for all at once (one hint), the chunks share the device's bandwidth and arrive
-    together: the decoding starts only once the whole run is in, so a cold read of a small
-    compressed sample was its transfer, then its decode. Here the first chunk is asked for
-    alone and arrives after its own transfer; each chunk, once it is in, asks for those up to
-    `COLD_CHUNKS_AHEAD` beyond it, which come in while it decodes. Measured on a disk moving
-    ~1 GB/s, each read cold: 0.93-0.98x the uncompressed read of the same small samples against
-    0.88-0.89x all at once, 1.17-1.24x against 1.09x on large ones (docs/PERFORMANCE.md).
-    """
-
-    def __init__(
-        self,
-        storage: Storage,
-        key: str,
-        mapped: memoryview,
-        chunks: dict[int, list[tuple[int, int]]],
-    ):
-        self.storage, self.key, self.mapped, self.chunks = storage, key, mapped, chunks
-        self.asked = min(chunks)  # the first row chunk not asked for yet
-        self._ask_through(self.asked)
-
-    @classmethod
-    def start(
-        cls,
-        storage: Storage,
-        key: str,
-        mapped: memoryview,
-        entries: np.ndarray,
-        first: int,
-        layer_chunks: list[int],
-    ) -> _ColdChunks | None:
-        """Row chunks ``first, first + 1, ...`` (``entries``: their rows of the shard index)
-        are about to be decoded from ``mapped``: None if their bytes are in memory already
-        (judged on the first and last), else a stream that has asked for the first chunk."""
-        chunks: dict[int, list[tuple[int, int]]] = {}
-        for c, row in enumerate(entries.tolist(), start=first):
-            ranges = [(row[j][0], row[j][1]) for j in layer_chunks if row[j][0] != zarr_meta.EMPTY]
-            if ranges:
-                chunks[c] = ranges
-        if not chunks:
-            return None
-        lo = min(offset for ranges in chunks.values() for offset, _ in ranges)
-        hi = max(offset + nbytes for ranges in chunks.values() for offset, nbytes in ranges)
-        # Out of bounds: the read reports the truncated shard.
-        if hi > len(mapped) or storage.resident(key, lo, hi - lo):
-            return None
-        return cls(storage, key, mapped, chunks)
-
-    def arrive(self, c: int) -> None:
-        """Row chunk ``c`` is next to decode: wait for its bytes, then ask for the next ones."""
-        ranges = self.chunks.get(c)
-        if ranges is None:
-            return
-        offset, nbytes = ranges[-1]
-        self.mapped[offset + nbytes - 1]  # noqa: B018 (a fault on a page under I/O waits for it)
-        self._ask_through(c + COLD_CHUNKS_AHEAD)
-
-    def _ask_through(self, last: int) -> None:
-        while self.asked <= last:
-            ranges = self.chunks.get(self.asked)
-            self.asked += 1
-            if ranges is not None:
-                self.storage.will_read(self.key, ranges, unless_resident=False)
 
 
 class SegmentReader:
@@ -453,7 +381,7 @@ class SegmentReader:
         fetched: dict[tuple[int, int], memoryview] = {}
         shard, key = -1, ""
         span: tuple[int, int] | None = None  # the bytes read from the current shard's map
-        cold: _ColdChunks | None = None
+        cold: ColdChunks | None = None
         for c in range(start // rpc, last + 1):
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
@@ -467,7 +395,7 @@ class SegmentReader:
                 cold = None
                 if mapped is not None and self.storage.reads_ahead:
                     end = min(last, (shard + 1) * cps - 1)
-                    cold = _ColdChunks.start(
+                    cold = ColdChunks.start(
                         self.storage,
                         key,
                         mapped,
@@ -545,26 +473,11 @@ class SegmentReader:
             in_shard = chunks[chunks // cps == shard] - shard * cps
             key = self._key(paths.shard_relpath(shard))
             try:
-                self._will_read(key, self.shard_index(shard)[in_shard], layer_chunks)
+                self.storage.will_read(
+                    key, chunk_ranges(self.shard_index(shard)[in_shard], layer_chunks)
+                )
             except (HsstoreError, OSError):
                 continue  # a hint fails nothing: the read that needs these bytes reports it
-
-    def _will_read(self, key: str, entries: np.ndarray, layer_chunks: list[int]) -> None:
-        """Hand the storage the byte ranges of a shard's chunks that a read is about to decode
-        (``entries``: its index rows for those row chunks), merged where they lie back to back,
-        so their reads from disk are under way before the first is decoded."""
-        ranges: list[tuple[int, int]] = []
-        for row in entries.tolist():
-            for j in layer_chunks:
-                offset, nbytes = row[j]
-                if offset == zarr_meta.EMPTY:
-                    continue  # reported by the read itself
-                if ranges and ranges[-1][0] + ranges[-1][1] == offset:
-                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + nbytes)
-                else:
-                    ranges.append((offset, nbytes))
-        if ranges:
-            self.storage.will_read(key, ranges)
 
     def _shares(self, start: int, stop: int, threads: int) -> list[tuple[int, int]]:
         """Rows [start, stop) cut at chunk boundaries into at most ``threads`` runs of nearly
