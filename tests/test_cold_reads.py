@@ -178,6 +178,45 @@ def test_a_cold_compressed_read_asks_for_its_chunks_in_order_a_few_at_a_time(tmp
     ds.close()
 
 
+class FailingHints(LocalStorage):
+    """A local dataset directory whose read hints and residency probes fail."""
+
+    def will_read(self, key, ranges, *, unless_resident=True):
+        raise OSError(5, "Input/output error")
+
+    def resident(self, key, offset, nbytes):
+        raise OSError(5, "Input/output error")
+
+
+@pytest.mark.parametrize("codec", ["split-zstd", "none"])
+def test_failing_hints_fail_no_read(tmp_path, codec):
+    """A hint is advice: when the storage cannot take it, reads (per sample, and the loader's,
+    which hints a batch ahead) return the written bits all the same."""
+    root = tmp_path / "ds"
+    ds = hsstore.create(root, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=256,
+                        dtype=torch.bfloat16, codec=codec)  # fmt: skip
+    samples = [llm_like_states(40 + 30 * k, 2, 256, seed=k) for k in range(6)]
+    with ds.writer() as w:
+        for k, states in enumerate(samples):
+            t = states.shape[0]
+            w.add(f"s{k}", torch.arange(t), torch.ones(t, dtype=torch.int64), states)
+    ds = hsstore.open(FailingHints(root), read_threads=1)
+    for k in (3, 0, 5):
+        ds.close()  # maps the files again, so the reads start cold
+        got = ds.read(k).hidden
+        assert torch.equal(got.view(torch.int16), samples[k].view(torch.int16))
+    loader = Loader(ds, max_tokens=300, shuffle=False, num_threads=1, prefetch=1)
+    seen = 0
+    for batch in loader:  # packed: [1, max_tokens], the samples back to back
+        at = 0
+        for k, n in zip(batch["sample_index"].tolist(), batch["lengths"].tolist(), strict=True):
+            got = batch["per_layer_hidden_states"][0, at : at + n]
+            assert torch.equal(got.view(torch.int16), samples[k].view(torch.int16))
+            at, seen = at + n, seen + 1
+    loader.close()
+    assert seen == len(samples)
+
+
 def test_the_loader_reads_its_next_batch_from_disk_while_it_decodes_this_one(tmp_path):
     """While the loader decodes a batch, the chunks of the next are already coming from disk:
     held before it starts on the next batch, the loader has that batch's bytes in memory
