@@ -46,9 +46,10 @@ class ColdChunks:
     together: the decoding starts only once the whole run is in, so a cold read of a small
     compressed sample was its transfer, then its decode. Here the first chunk is asked for
     alone and arrives after its own transfer; each chunk, once it is in, asks for those up to
-    `COLD_CHUNKS_AHEAD` beyond it, which come in while it decodes. Measured on a disk moving
-    ~1 GB/s, each read cold: 0.93-0.98x the uncompressed read of the same small samples against
-    0.88-0.89x all at once, 1.17-1.24x against 1.09x on large ones (docs/PERFORMANCE.md).
+    `COLD_CHUNKS_AHEAD` beyond it, which come in while it decodes. On a disk moving ~1 GB/s,
+    every read cold, against the uncompressed read of the same samples: 1.17-1.24x on large
+    samples where all at once gave 1.09-1.10x, 0.83-0.99x on small ones against 0.84-0.89x
+    (docs/PERFORMANCE.md, "Cold reads").
     """
 
     def __init__(
