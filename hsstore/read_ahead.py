@@ -47,9 +47,8 @@ class ColdChunks:
     compressed sample was its transfer, then its decode. Here the first chunk is asked for
     alone and arrives after its own transfer; each chunk, once it is in, asks for those up to
     `COLD_CHUNKS_AHEAD` beyond it, which come in while it decodes. On a disk moving ~1 GB/s,
-    every read cold, against the uncompressed read of the same samples: 1.17-1.24x on large
-    samples where all at once gave 1.09-1.10x, 0.83-0.99x on small ones against 0.84-0.89x
-    (docs/PERFORMANCE.md, "Cold reads").
+    every read cold: 1.10-1.24x the speed of all-at-once hints on small samples, 1.28-1.29x on
+    large ones (`tools/bench_cold.py`; docs/PERFORMANCE.md, "Cold reads").
     """
 
     def __init__(

@@ -18,10 +18,14 @@ def test_cold_read_benchmark_prints_its_figures(tmp_path, capsys):
         "cold_each_hint_vs_nohint_large",
         "cold_each_zstd_vs_none_small",
         "cold_each_zstd_vs_none_large",
+        "cold_each_inorder_vs_allatonce_small",
+        "cold_each_inorder_vs_allatonce_large",
     ]
     assert all(math.isfinite(v) and v > 0 for v in final.values())
-    for case in ("split-zstd, hints", "split-zstd, no hints", "none, hints", "none, no hints"):
-        rows = [line for line in out.splitlines() if line.startswith(case + " ")]
+    cases = ("split-zstd, hints", "split-zstd, hints all at once", "split-zstd, no hints",
+             "none, hints", "none, no hints")  # fmt: skip
+    for case in cases:
+        rows = [line for line in out.splitlines() if line.startswith(case + "  ")]
         assert len(rows) == 2  # one per data set
         assert all(float(v) > 0 for line in rows for v in line[len(case) :].split())
     assert list(tmp_path.iterdir()) == []  # scratch removed

@@ -10,9 +10,12 @@ shuffled order, from one thread, into a reused buffer:
 * each read: the files evicted before every read, untimed (a data set much larger than
   memory, read at random).
 
-Each pass runs with read hints (`Storage.will_read`, the default) and without them
-(`reads_ahead` turned off on the open dataset's storage: page faults on the shard maps read the
-device's readahead window around them), alternating, best of ``--repeats``.
+Each pass runs with read hints (`Storage.will_read`, the default: a compressed read asks for
+its chunks in order, a few ahead of its decoding), with the previous release's hints (all the
+chunks of a read at once; compressed data only, the uncompressed path did not change) and
+without hints (`reads_ahead` turned off on the open dataset's storage: page faults on the shard
+maps read the device's readahead window around them), the cases in turn, their order rotated
+from one repeat to the next, best of ``--repeats``.
 
     python tools/bench_cold.py            # ~0.6 GB of data, a few minutes
     python tools/bench_cold.py --quick    # well under a minute
@@ -21,15 +24,18 @@ Last line (ratios within this run; small = MiniLM, large = synthetic):
 
     cold_each_hint_vs_nohint_small=.. cold_each_hint_vs_nohint_large=..
     cold_each_zstd_vs_none_small=.. cold_each_zstd_vs_none_large=..
+    cold_each_inorder_vs_allatonce_small=.. cold_each_inorder_vs_allatonce_large=..
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -37,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 import hsstore  # noqa: E402
-from hsstore import LayerSpec  # noqa: E402
+from hsstore import LayerSpec, read_ahead  # noqa: E402
 from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.bench_peers import (  # noqa: E402
     Sample,
@@ -58,9 +64,34 @@ def write(root: Path, samples: list[Sample], codec: str) -> None:
             w.add(f"s{i}", ids, torch.ones_like(ids), states)
 
 
-def cold_passes(root: Path, hints: bool, seed: int) -> tuple[float, float]:
+# The cases of a pass: how a read hands its bytes to the storage.
+IN_ORDER, ALL_AT_ONCE, NO_HINTS = "hints", "hints all at once", "no hints"
+
+
+@contextlib.contextmanager
+def all_chunks_at_once() -> Iterator[None]:
+    """The previous release's cold reads: every chunk of a read's shard hinted at once, before
+    the first is decoded."""
+
+    def start(storage, key, mapped, entries, first, layer_chunks) -> None:
+        storage.will_read(key, read_ahead.chunk_ranges(entries, layer_chunks))
+
+    in_order = read_ahead.ColdChunks.start
+    read_ahead.ColdChunks.start = staticmethod(start)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        read_ahead.ColdChunks.start = in_order  # type: ignore[method-assign]
+
+
+def cold_passes(root: Path, case: str, seed: int) -> tuple[float, float]:
     """GB/s of states of one shuffled pass after one eviction, and of one with an eviction
     before every read."""
+    with all_chunks_at_once() if case == ALL_AT_ONCE else contextlib.nullcontext():
+        return _cold_passes(root, case != NO_HINTS, seed)
+
+
+def _cold_passes(root: Path, hints: bool, seed: int) -> tuple[float, float]:
     ds = hsstore.open(root)
     if not hints:
         ds.storage.reads_ahead = False
@@ -97,24 +128,28 @@ def measure(name: str, samples: list[Sample], work: Path, repeats: int) -> dict[
         root = work / f"{name}-{codec}"
         write(root, samples, codec)
         os.sync()
+        cases = [IN_ORDER, ALL_AT_ONCE, NO_HINTS] if codec != "none" else [IN_ORDER, NO_HINTS]
         for r in range(repeats):
-            for hints in (True, False) if r % 2 == 0 else (False, True):
-                one, each = cold_passes(root, hints, seed=r)
-                for key, value in ((f"{codec} {hints} one", one), (f"{codec} {hints} each", each)):
+            # Rotated: the first pass over a data set may find the host's cache of the VM disk
+            # colder than the passes after it.
+            for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+                one, each = cold_passes(root, case, seed=r)
+                for key, value in ((f"{codec} {case} one", one), (f"{codec} {case} each", each)):
                     best[key] = max(best.get(key, 0.0), value)
-        for hints in (True, False):
-            label = f"{codec}, {'hints' if hints else 'no hints'}"
-            print(f"{label:32s} {best[f'{codec} {hints} one']:12.2f} "
-                  f"{best[f'{codec} {hints} each']:10.2f}", flush=True)  # fmt: skip
+        for case in cases:
+            print(f"{codec + ', ' + case:32s} {best[f'{codec} {case} one']:12.2f} "
+                  f"{best[f'{codec} {case} each']:10.2f}", flush=True)  # fmt: skip
         shutil.rmtree(root)
+    in_order = best[f"{DEFAULT_CODEC} {IN_ORDER} each"]
     return {
-        "hint_vs_nohint": best[f"{DEFAULT_CODEC} True each"] / best[f"{DEFAULT_CODEC} False each"],
-        "zstd_vs_none": best[f"{DEFAULT_CODEC} True each"] / best["none True each"],
+        "hint_vs_nohint": in_order / best[f"{DEFAULT_CODEC} {NO_HINTS} each"],
+        "zstd_vs_none": in_order / best[f"none {IN_ORDER} each"],
+        "inorder_vs_allatonce": in_order / best[f"{DEFAULT_CODEC} {ALL_AT_ONCE} each"],
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    args = parse_data_arguments(data_arguments(__doc__, repeats=2), argv)
+    args = parse_data_arguments(data_arguments(__doc__, repeats=3), argv)
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="hsstore-cold-", dir=args.workdir))
     try:
@@ -127,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "cold_each_hint_vs_nohint_large": large["hint_vs_nohint"],
         "cold_each_zstd_vs_none_small": small["zstd_vs_none"],
         "cold_each_zstd_vs_none_large": large["zstd_vs_none"],
+        "cold_each_inorder_vs_allatonce_small": small["inorder_vs_allatonce"],
+        "cold_each_inorder_vs_allatonce_large": large["inorder_vs_allatonce"],
     }
     print()
     print(" ".join(f"{k}={v:.2f}" for k, v in final.items()))
