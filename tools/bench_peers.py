@@ -39,6 +39,7 @@ per-sample reads of the same dataset between them), so a slow spell hits both si
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shutil
@@ -328,6 +329,10 @@ class Result:
 
 def measure(c: Contender, raw_bytes: int, repeats: int, seed: int) -> Result:
     res = Result(c.name)
+    # Untimed: a full pass of Python's cycle collector over every object of the process
+    # (~0.13 s with torch and transformers loaded) would otherwise land in whichever write
+    # happens to trigger it.
+    gc.collect()
     c0 = time.process_time()  # all threads: some writers encode in parallel
     c.write()
     res.write_gb_s_cpu = raw_bytes / (time.process_time() - c0) / 1e9
