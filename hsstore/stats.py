@@ -3,6 +3,12 @@
 Cost is kept to a few percent of writing: one integer pass over the bit patterns computes every row's
 abs-max (which yields exact counts of all-zero and non-finite rows and an exact histogram of
 row magnitudes), and moments (mean, std, RMS, min, max) come from every ``sample_every``-th row.
+
+All of it is numpy on the calling thread. torch's reductions run on its OpenMP threads, which
+spin between calls: the writer already encodes on a pool of its own, and on two cores the
+spinning took 9.5% of a write's CPU (a whole MiniLM write ran at 0.245 against 0.210 GB/s per
+CPU-second with torch held to one thread; on a node with many cores every reduction wakes them
+all).
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 # Row abs-max histogram: bin k counts rows with floor(log2(absmax)) == HIST_MIN_EXP + k
 # (clipped into the end bins); zero rows and non-finite rows are counted apart.
@@ -111,12 +116,12 @@ class RowFlags:
 
 
 # Per storage dtype: (signed integer view, abs mask, smallest non-finite pattern, mantissa
-# bits, exponent bias, torch float view). The full pass works on bit patterns: exact, and an
-# integer and+amax is ~10x faster than float abs/amax/isfinite passes on bf16.
+# bits, exponent bias). The full pass works on bit patterns: exact, and an integer max is ~10x
+# faster than float abs/amax/isfinite passes on bf16.
 _BITS = {
-    "bfloat16": (np.dtype("<i2"), 0x7FFF, 0x7F80, 7, 127, torch.bfloat16),
-    "float16": (np.dtype("<i2"), 0x7FFF, 0x7C00, 10, 15, torch.float16),
-    "float32": (np.dtype("<i4"), 0x7FFFFFFF, 0x7F800000, 23, 127, torch.float32),
+    "bfloat16": (np.dtype("<i2"), 0x7FFF, 0x7F80, 7, 127),
+    "float16": (np.dtype("<i2"), 0x7FFF, 0x7C00, 10, 15),
+    "float32": (np.dtype("<i4"), 0x7FFFFFFF, 0x7F800000, 23, 127),
 }
 
 # The same bit patterns read as unsigned: their max finds the largest negative magnitude.
@@ -147,9 +152,9 @@ class StatsAccumulator:
         self._min = np.full(num_layers, math.inf)
         self._max = np.full(num_layers, -math.inf)
         self._layer_offsets = np.arange(num_layers) * HIST_BINS
-        # Reused: a fresh multi-MB tensor per sample costs page faults that showed up as a large
+        # Reused: a fresh multi-MB array per sample costs page faults that showed up as a large
         # share of the stats time.
-        self._floats = torch.empty(0, dtype=torch.float32)
+        self._floats = np.empty(0, np.float32)
 
     @property
     def layers(self) -> list[LayerStats]:
@@ -181,10 +186,9 @@ class StatsAccumulator:
         fraction of the per-call overhead on small samples. ``real``: which rows belong to a
         sample (False for alignment padding; None = all). Returns per row whether it is all
         zeros, or holds a NaN/Inf, in some layer (so the caller can count per sample)."""
-        idtype, abs_mask, nonfinite_at, mantissa, bias, float_dtype = _BITS[self.dtype_name]
-        bits = torch.from_numpy(stored.view(idtype))
-        n_layers, hidden = bits.shape[1:]
-        rowmax = self._row_absmax(bits, stored.view(_UNSIGNED[self.dtype_name]))  # [T, L]
+        _, _, nonfinite_at, mantissa, bias = _BITS[self.dtype_name]
+        n_layers = stored.shape[1]
+        rowmax = row_absmax(stored, self.dtype_name)  # [T, L]
         nonfinite = rowmax >= nonfinite_at
         zero = rowmax == 0
         if real is not None:  # padding rows are neither zero rows nor anything else
@@ -211,19 +215,10 @@ class StatsAccumulator:
             picked: slice | np.ndarray = slice(start, None, self.sample_every)
         else:
             picked = np.flatnonzero(real)[start :: self.sample_every]
-        ok = torch.from_numpy(np.ascontiguousarray(~nonfinite[picked]))  # [t', L]
+        ok = ~nonfinite[picked]  # [t', L]
         if ok.shape[0]:
-            values = self._sampled_floats(bits[picked].view(float_dtype))
-            # Reduce each row in float32 first, then drop rows holding NaN/Inf and add up in
-            # float64.
-            okf = ok.double()
-            counts = (ok.sum(0) * hidden).numpy()
-            sums = (torch.nan_to_num(values.sum(dim=-1).double()) * okf).sum(0).numpy()
-            inf = torch.tensor(float("inf"), dtype=torch.float32)
-            mins = torch.where(ok, values.amin(dim=-1), inf).amin(dim=0).double().numpy()
-            maxs = torch.where(ok, values.amax(dim=-1), -inf).amax(dim=0).double().numpy()
-            squares = torch.mul(values, values, out=values)  # in place: values are not needed
-            sumsqs = (torch.nan_to_num(squares.sum(dim=-1).double()) * okf).sum(0).numpy()
+            values = self._sampled_floats(stored[picked])
+            counts, sums, sumsqs, mins, maxs = sampled_moments(values, ok)
             has = counts > 0  # a layer with no finite sampled row keeps its totals
             self._sampled += np.where(has, counts, 0)
             self._sum = np.where(has, self._sum + sums, self._sum)
@@ -232,27 +227,59 @@ class StatsAccumulator:
             self._max = np.where(has, np.maximum(self._max, maxs), self._max)
         return zero.any(axis=1), nonfinite.any(axis=1)
 
-    def _row_absmax(self, signed: torch.Tensor, unsigned: np.ndarray) -> np.ndarray:
-        """Per-row max of the magnitude bits (sign cleared) of [T, L, H] sign-magnitude floats.
-
-        Two read-only reductions instead of masking the sign into a scratch copy and reducing
-        that: the signed max is the largest non-negative pattern, the unsigned max (sign bit set)
-        the largest negative magnitude. Half the memory traffic of the masked copy. numpy does
-        the unsigned one: torch has no CPU max for uint16/uint32."""
-        abs_mask = _BITS[self.dtype_name][1]
-        positive = np.maximum(signed.amax(dim=-1).numpy(), 0)
-        umax = unsigned.max(axis=-1)
-        negative = np.where(umax > abs_mask, umax & abs_mask, 0).astype(positive.dtype)
-        return np.maximum(positive, negative)
-
-    def _sampled_floats(self, sampled: torch.Tensor) -> torch.Tensor:
-        """The sampled rows as float32 in a reused buffer (exact: every storage dtype widens)."""
-        if self._floats.numel() < sampled.numel():
-            self._floats = torch.empty(sampled.numel(), dtype=torch.float32)
-        return self._floats[: sampled.numel()].view(sampled.shape).copy_(sampled)
+    def _sampled_floats(self, sampled: np.ndarray) -> np.ndarray:
+        """The sampled rows (storage dtype) as float32 in a reused buffer (exact: every storage
+        dtype widens)."""
+        if self._floats.size < sampled.size:
+            self._floats = np.empty(sampled.size, np.float32)
+        out = self._floats[: sampled.size].reshape(sampled.shape)
+        return widen(sampled, self.dtype_name, out)
 
     def to_json(self) -> dict[str, Any]:
         return {"sample_every": self.sample_every, "layers": [s.to_json() for s in self.layers]}
+
+
+def row_absmax(stored: np.ndarray, dtype_name: str) -> np.ndarray:
+    """Per-row max of the magnitude bits (sign cleared) of [T, L, H] sign-magnitude floats
+    (``stored``: their bit patterns, or the values).
+
+    Two read-only reductions instead of masking the sign into a scratch copy and reducing
+    that: the signed max is the largest non-negative pattern, the unsigned max (sign bit set)
+    the largest negative magnitude. Half the memory traffic of the masked copy."""
+    idtype, abs_mask = _BITS[dtype_name][:2]
+    positive = np.maximum(stored.view(idtype).max(axis=-1), 0)
+    umax = stored.view(_UNSIGNED[dtype_name]).max(axis=-1)
+    negative = np.where(umax > abs_mask, umax & abs_mask, 0).astype(positive.dtype)
+    return np.maximum(positive, negative)
+
+
+def widen(stored: np.ndarray, dtype_name: str, out: np.ndarray) -> np.ndarray:
+    """``stored`` (bf16 bit patterns, or float16/float32 values) as float32 values in
+    ``out``."""
+    if dtype_name == "bfloat16":  # a bf16 is the high half of the float32 of the same value
+        np.left_shift(stored.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, stored.view(np.dtype(dtype_name)))
+    return out
+
+
+def sampled_moments(
+    values: np.ndarray, ok: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer, over the rows of ``values`` [t, L, H] (float32; overwritten) where ``ok``
+    [t, L] (no NaN/Inf in the row): how many values, their sum and sum of squares, min and max.
+    Each row is reduced in float32, then rows are added up in float64. Rows that are not ok
+    (and squares past float32's range) make NaN and Inf along the way, which are left out or
+    clipped, not reported: numpy's warnings about them are silenced."""
+    okf = ok.astype(np.float64)
+    counts = ok.sum(axis=0) * values.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = (np.nan_to_num(values.sum(axis=-1).astype(np.float64)) * okf).sum(axis=0)
+        mins = np.where(ok, values.min(axis=-1), np.inf).min(axis=0).astype(np.float64)
+        maxs = np.where(ok, values.max(axis=-1), -np.inf).max(axis=0).astype(np.float64)
+        squares = np.multiply(values, values, out=values)  # in place: values are not needed
+        sumsqs = (np.nan_to_num(squares.sum(axis=-1).astype(np.float64)) * okf).sum(axis=0)
+    return counts, sums, sumsqs, mins, maxs
 
 
 def merge_layer_stats(docs: list[dict[str, Any]], num_layers: int) -> list[LayerStats]:
