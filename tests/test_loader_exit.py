@@ -44,14 +44,18 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_exit_with_an_open_loader_stops_its_threads(tmp_path, threads):
-    path = tmp_path / "ds"
+def small_dataset(path: Path, samples: int) -> Path:
     ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
                         dtype=torch.bfloat16)  # fmt: skip
     with ds.writer() as w:
-        for i in range(40):
+        for i in range(samples):
             w.add(f"s{i}", *random_sample(30 + i, 2, 64, seed=i))
+    return path
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exit_with_an_open_loader_stops_its_threads(tmp_path, threads):
+    path = small_dataset(tmp_path / "ds", 40)
     for stop_after in (0, 3):
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, str(path), str(stop_after), str(threads)],
@@ -84,12 +88,7 @@ MODULE_GLOBAL_CHILD = textwrap.dedent(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_exit_with_a_loader_in_a_module_global_prints_nothing(tmp_path, threads):
-    path = tmp_path / "ds"
-    ds = hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
-                        dtype=torch.bfloat16)  # fmt: skip
-    with ds.writer() as w:
-        for i in range(12):
-            w.add(f"s{i}", *random_sample(30 + i, 2, 64, seed=i))
+    path = small_dataset(tmp_path / "ds", 12)
     proc = subprocess.run(
         [sys.executable, "-c", MODULE_GLOBAL_CHILD, str(path), str(threads)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
