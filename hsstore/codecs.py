@@ -11,14 +11,15 @@ high bytes of a chunk together, apart from the low bytes.
 
 - ``split-zstd`` (the default) writes each chunk as one blosc block whose byte streams are
   stored apart ("split" blocks, as blosc itself writes them for lz4): each stream is zstd-coded
-  with parameters that leave out match search (the exponent stream is order-0 entropy, which
-  Huffman coding captures; match search costs decode time and wins nothing), and a stream that
-  does not shrink by 1/16 (the mantissa noise) is stored raw, which blosc's decoder copies.
-  So decoding is one entropy decode of half the bytes, a copy and an unshuffle: ~3.5 GB/s per
-  core against ~2.5 for ``blosc-zstd``, at a slightly better ratio. The frames are ordinary
-  blosc frames: c-blosc (and so zarr-python) decodes them with no knowledge of how they were
-  made (c-blosc 1.x ``blosc.c``, ``blosc_d``: a split whose compressed size equals its size is
-  copied, any other is zstd-decoded).
+  with the least match search zstd offers (the exponent stream is close to order-0 entropy,
+  which Huffman coding captures; the few repeats of 7+ bytes it holds still pay: coded as
+  literals alone, MiniLM's exponents came out 10% larger), and a stream that does not shrink by
+  1/16 (the mantissa noise) is stored raw, which blosc's decoder copies. So decoding is one
+  entropy decode of half the bytes, a copy and an unshuffle: ~1.4x the speed of ``blosc-zstd``,
+  at a slightly better ratio. The frames are ordinary blosc frames: c-blosc (and so
+  zarr-python) decodes them with no knowledge of how they were made (c-blosc 1.x ``blosc.c``,
+  ``blosc_d``: a split whose compressed size equals its size is copied, any other is
+  zstd-decoded).
 - ``blosc-zstd``: c-blosc's own encoder, zstd level 1 over the whole shuffled block.
 - ``none``: raw bytes (+ crc32c).
 """
@@ -53,9 +54,11 @@ _FLAG_SHUFFLE, _FLAG_DONT_SPLIT, _ZSTD_FORMAT_FLAGS = 0x01, 0x10, 4 << 5
 # c-blosc splits a block into typesize streams only when each stream has at least this many
 # bytes (MIN_BUFFERSIZE); a smaller chunk is written as one stream.
 _MIN_SPLIT_BYTES = 128
-# zstd for entropy coding only: the shortest window and hash, and matches of 7+ bytes (which
-# never occur in exponent streams), so nearly all of the stream becomes Huffman-coded literals.
-_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=10, window_log=17)
+# zstd mostly for entropy coding: the shortest search and a small window, and matches of 7+
+# bytes only, so most of an exponent stream becomes Huffman-coded literals. The hash table of
+# the match finder has 512 entries: against 1024, writes took 0.80-0.91x the CPU (MiniLM and
+# synthetic states) and the streams came out no larger (docs/PERFORMANCE.md, "Peers").
+_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=9, window_log=17)
 _PROBE_BYTES = 1024
 
 
@@ -197,9 +200,11 @@ class ChunkCodec:
         m = nbytes // k
         if k in (2, 4, 8) and nbytes % k == 0:
             # Byte b of every value as a shift and a truncating cast of the little-endian
-            # words: ~3x faster than a strided byte copy.
+            # words: ~3x faster than a strided byte copy. Byte 0 is the cast alone (2.3x the
+            # speed of a shift by 0, which numpy computes in the wide type first).
             words = np.frombuffer(raw, dtype=f"<u{k}")
-            for b in range(k):
+            np.copyto(shuffled[:m], words, casting="unsafe")
+            for b in range(1, k):
                 np.right_shift(words, 8 * b, out=shuffled[b * m : (b + 1) * m], casting="unsafe")
         else:
             values = np.frombuffer(raw, dtype=np.uint8)
