@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import crc32c as _crc32c
@@ -56,9 +58,13 @@ _FLAG_SHUFFLE, _FLAG_DONT_SPLIT, _ZSTD_FORMAT_FLAGS = 0x01, 0x10, 4 << 5
 _MIN_SPLIT_BYTES = 128
 # zstd mostly for entropy coding: the shortest search and a small window, and matches of 7+
 # bytes only, so most of an exponent stream becomes Huffman-coded literals. The hash table of
-# the match finder has 512 entries: against 1024, writes took 0.80-0.91x the CPU (MiniLM and
-# synthetic states) and the streams came out no larger (docs/PERFORMANCE.md, "Peers").
-_SPLIT_ZSTD_PARAMS = dict(min_match=7, search_log=1, hash_log=9, window_log=17)
+# the match finder has 512 entries: against 1024, chunks encode 1.06-1.21x faster and whole
+# writes took 0.80-0.91x the CPU (MiniLM and synthetic states), at a ratio within 0.06% either
+# way (`tools/bench_codec.py`; docs/PERFORMANCE.md, "Peers"). Encoder parameters only: any
+# zstd frame decodes.
+SPLIT_ZSTD_PARAMS: Mapping[str, int] = MappingProxyType(
+    dict(min_match=7, search_log=1, hash_log=9, window_log=17)
+)
 _PROBE_BYTES = 1024
 
 
@@ -139,12 +145,20 @@ def _bytes_codec(itemsize: int) -> dict[str, Any]:
 class ChunkCodec:
     """Encodes and decodes one chunk of a fixed shape and storage dtype."""
 
-    def __init__(self, config: CodecConfig, itemsize: int):
+    def __init__(
+        self,
+        config: CodecConfig,
+        itemsize: int,
+        *,
+        zstd_params: Mapping[str, int] = SPLIT_ZSTD_PARAMS,
+    ):
+        """``zstd_params``: how ``split-zstd`` codes its streams (zstd's advanced parameters
+        over ``config.clevel``); the frames decode the same whatever they are."""
         self.config = config
         self.itemsize = itemsize
         self._shuffle = _SHUFFLE_IDS[config.shuffle]
         self._zstd_params = zstandard.ZstdCompressionParameters.from_level(
-            config.clevel, **_SPLIT_ZSTD_PARAMS
+            config.clevel, **zstd_params
         )
         self._local = threading.local()
 

@@ -23,6 +23,26 @@ def test_streams_of_a_frame_are_the_low_bytes_raw_and_the_exponents_coded():
 
 def test_every_figure_is_a_rate(capsys):
     figures = bench_codec.main(["--quick", "--real-samples", "0"])
-    assert list(figures) == ["decode_gb_s", "blosc_gb_s", "zstd_ceiling_gb_s"]
+    assert list(figures) == [
+        "decode_gb_s",
+        "blosc_gb_s",
+        "zstd_ceiling_gb_s",
+        "encode_gb_s",
+        "encode_vs_1024_table",
+    ]
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("decode_gb_s=")
+
+
+def test_both_encoders_of_the_comparison_make_frames_that_decode_to_the_chunk():
+    from numcodecs import blosc
+
+    chunk = llm_like_states(32, 4, 256).view(torch.int16).numpy().copy()
+    for params in (None, bench_codec.TABLE_1024_PARAMS):
+        extra = {} if params is None else {"zstd_params": params}
+        codec = ChunkCodec(CodecConfig("split-zstd"), 2, **extra)
+        frame = b"".join(bytes(p) for p in codec.encode(chunk))
+        out = np.empty(chunk.nbytes, np.uint8)
+        codec.decode_into(memoryview(frame), out, what="chunk")
+        assert out.tobytes() == chunk.tobytes()
+        assert blosc.decompress(frame[:-4]) == chunk.tobytes()  # c-blosc alone, as zarr reads
