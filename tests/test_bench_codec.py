@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from hsstore.codecs import ChunkCodec, CodecConfig
+from hsstore.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig
 from tools import bench_codec
 from tools.synthetic import llm_like_states
 
@@ -38,9 +38,8 @@ def test_both_encoders_of_the_comparison_make_frames_that_decode_to_the_chunk():
     from numcodecs import blosc
 
     chunk = llm_like_states(32, 4, 256).view(torch.int16).numpy().copy()
-    for params in (None, bench_codec.TABLE_1024_PARAMS):
-        extra = {} if params is None else {"zstd_params": params}
-        codec = ChunkCodec(CodecConfig("split-zstd"), 2, **extra)
+    for params in (SPLIT_ZSTD_PARAMS, bench_codec.TABLE_1024_PARAMS):
+        codec = ChunkCodec(CodecConfig("split-zstd"), 2, zstd_params=params)
         frame = b"".join(bytes(p) for p in codec.encode(chunk))
         out = np.empty(chunk.nbytes, np.uint8)
         codec.decode_into(memoryview(frame), out, what="chunk")
