@@ -20,6 +20,7 @@ test: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+	bash scripts/test_transformers_versions.sh
 
 # The top-level schemas/ is the published copy and the one to edit; the code reads the copy
 # inside the package (tests/test_packaging.py fails until this is run after an edit).

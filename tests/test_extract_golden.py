@@ -46,7 +46,7 @@ def hooked_states(model_dir, input_ids: torch.Tensor) -> dict[tuple[int, bool], 
     """What hooks on the model itself see for one unpadded sequence."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()  # saved in float32
     base = model.model
     seen: dict[tuple[int, bool], torch.Tensor] = {}
 

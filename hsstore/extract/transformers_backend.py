@@ -70,7 +70,7 @@ class TransformersBackend:
         if isinstance(cfg_dtype, str):
             cfg_dtype = _DTYPES.get(cfg_dtype)
         dtype = resolve_torch_dtype(torch_dtype, cfg_dtype or torch.float32)
-        kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        kwargs: dict[str, Any] = {_dtype_keyword(): dtype, "trust_remote_code": trust_remote_code}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         try:
@@ -88,13 +88,7 @@ class TransformersBackend:
         self.layers = list(layers)
         self._plan = self._plan_layers(self.layers)
         self._prenorm: list[torch.Tensor] = []
-        # transformers >= 5 can keep only the hidden states asked for (same indices, None
-        # elsewhere): on a large model that saves most of the N+1 [B, T, H] activations.
-        import transformers
-
-        wanted = sorted({index for kind, index in self._plan if kind == "hf"})
-        major = int(transformers.__version__.split(".")[0])
-        self._select: bool | list[int] = wanted if major >= 5 and wanted else True
+        self._select = self._hidden_state_request()
         self._hook = None
         if any(kind == "prenorm" for kind, _ in self._plan):
             self._hook = self._install_prenorm_hook()
@@ -113,6 +107,39 @@ class TransformersBackend:
                 raise BadInputError(f"layer {spec.label}: {exc}") from exc
             plan.append(("hf", hf_id))
         return plan
+
+    def _hidden_state_request(self) -> bool | list[int]:
+        """What to pass as ``output_hidden_states``: the indices wanted where this transformers
+        release returns exactly those (same positions, ``None`` elsewhere), else ``True``.
+
+        On a large model keeping only the wanted states saves most of the N + 1 [B, T, H]
+        activations, but releases differ in what the list form returns: some ignore it and give
+        all N + 1, some give N entries shifted by one and no final state, some the N + 1 asked
+        for. So a short probe decides: the list is used only if its wanted entries equal, bit for
+        bit, those of the all-states forward on the same tokens.
+        """
+        wanted = sorted({index for kind, index in self._plan if kind == "hf"})
+        if not wanted or _release() < (5, 0):  # before 5, output_hidden_states is a bool only
+            return True
+        ids = (torch.arange(_PROBE_TOKENS) % self.vocab_size)[None].to(self.device)
+        with torch.inference_mode():
+            every = self._hidden_states(ids, torch.ones_like(ids), True)
+            some = self._hidden_states(ids, torch.ones_like(ids), wanted)
+        self._prenorm.clear()
+        if len(some) == len(every) and all(
+            some[i] is not None and torch.equal(some[i], every[i]) for i in wanted
+        ):
+            return wanted
+        return True
+
+    def _hidden_states(self, ids: torch.Tensor, mask: torch.Tensor, select: bool | list[int]):
+        return self.base(
+            input_ids=ids,
+            attention_mask=mask,
+            output_hidden_states=select,
+            use_cache=False,
+            return_dict=True,
+        ).hidden_states
 
     def _install_prenorm_hook(self):
         norm = getattr(self.base, "norm", None)
@@ -152,19 +179,15 @@ class TransformersBackend:
             ids[row, : lengths[row]] = p.input_ids
             mask[row, : lengths[row]] = 1
         self._prenorm.clear()
-        out = self.base(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            output_hidden_states=self._select,
-            use_cache=False,
-            return_dict=True,
-        )
-        hs = out.hidden_states
+        hs = self._hidden_states(ids.to(self.device), mask.to(self.device), self._select)
         if len(hs) != self.num_hidden_layers + 1:
             raise BadInputError(
                 f"model returned {len(hs)} hidden states, expected num_hidden_layers + 1 = "
                 f"{self.num_hidden_layers + 1}; its layer semantics are unknown"
             )
+        missing = [i for kind, i in self._plan if kind == "hf" and hs[i] is None]
+        if missing:
+            raise BadInputError(f"model returned no hidden state at index {missing[0]}")
         picked = []
         for kind, index in self._plan:
             if kind == "prenorm":
@@ -177,6 +200,24 @@ class TransformersBackend:
         self._prenorm.clear()
         host = stacked.to("cpu", non_blocking=False)
         return [host[row, : lengths[row]].clone() for row in range(len(batch))]
+
+
+# Tokens of the probe forward that checks the list form of output_hidden_states: enough for
+# attention to mix positions, small enough to cost nothing next to a real batch.
+_PROBE_TOKENS = 8
+
+
+def _release() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _dtype_keyword() -> str:
+    """from_pretrained's name for the weights' dtype: ``dtype`` from 4.56 on; older releases hand
+    an unknown ``dtype`` to the model's ``__init__``, which refuses it."""
+    return "dtype" if _release() >= (4, 56) else "torch_dtype"
 
 
 def _pad_id(config: Any) -> int:

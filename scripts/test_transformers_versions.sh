@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Runs the tests that pin what extraction stores under every transformers release hsstore
+# declares, one small cached overlay per release on top of .venv. An overlay holds only the
+# packages whose version differs from .venv's (transformers, and the tokenizers/huggingface_hub
+# that release needs), installed --no-deps with --target; a rerun finds it and installs nothing.
+#   TRANSFORMERS_VERSIONS="5.19.0 newest" scripts/test_transformers_versions.sh   # a subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+# 4.45.0: the lowest pyproject allows; 5.8.1: SpecForge 0.2's pin; 5.19.0: sglang 0.5.23's and
+# speculators 0.9's; newest: the registry's latest release, looked up on every run.
+VERSIONS=${TRANSFORMERS_VERSIONS:-"4.45.0 5.8.1 5.19.0 newest"}
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/hsstore
+TESTS=(tests/test_extract_golden.py tests/test_extract_selection.py tests/test_extract_prompts.py tests/test_demo.py)
+PYTAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+# Everything .venv has, pinned, except what a transformers release brings its own version of.
+FLOATING='^(transformers|tokenizers|huggingface[-_]hub|hf[-_]xet)=='
+
+newest() {
+    "$PY" -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p'
+}
+
+build_overlay() { # $1 version, $2 overlay dir
+    local tmp constraints report
+    tmp=$(mktemp -d)
+    constraints=$tmp/constraints.txt
+    report=$tmp/report.json
+    "$PY" -m pip freeze --exclude-editable | grep -viE "$FLOATING" | grep '==' >"$constraints"
+    "$PY" -m pip install --quiet --dry-run --ignore-installed --report "$report" \
+        -c "$constraints" "transformers==$1"
+    # what the resolution needs that .venv lacks at that exact version
+    mapfile -t pins < <("$PY" - "$report" <<'EOF'
+import json, sys
+from importlib.metadata import PackageNotFoundError, version
+for item in json.load(open(sys.argv[1]))["install"]:
+    name, want = item["metadata"]["name"], item["metadata"]["version"]
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        have = None
+    if have != want:
+        print(f"{name}=={want}")
+EOF
+    )
+    rm -rf "$2.partial"
+    mkdir -p "$2.partial"
+    if [ ${#pins[@]} -gt 0 ]; then
+        "$PY" -m pip install --quiet --no-deps --target "$2.partial" "${pins[@]}"
+    fi
+    printf '%s\n' "${pins[@]}" >"$2.partial/OVERLAY"
+    rm -rf "$2" "$tmp"
+    mv "$2.partial" "$2"
+}
+
+status=0
+for want in $VERSIONS; do
+    if [ "$want" = newest ]; then
+        want=$(newest)
+        [ -n "$want" ] || { echo "cannot look up the newest transformers release" >&2; exit 1; }
+    fi
+    overlay=$CACHE/transformers-$want-$PYTAG
+    if [ ! -f "$overlay/OVERLAY" ]; then
+        start=$SECONDS
+        build_overlay "$want" "$overlay"
+        echo "transformers $want: overlay built in $((SECONDS - start)) s ($(tr '\n' ' ' <"$overlay/OVERLAY"))"
+    fi
+    start=$SECONDS
+    # the plugin refuses to start unless the tests import the release this overlay holds
+    if PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}" HSSTORE_TRANSFORMERS_VERSION=$want \
+        "$PY" -m pytest -q -p no:cacheprovider -p tests.transformers_pin "${TESTS[@]}"; then
+        echo "transformers $want: passed in $((SECONDS - start)) s"
+    else
+        echo "transformers $want: FAILED" >&2
+        status=1
+    fi
+done
+exit $status
