@@ -198,3 +198,61 @@ def test_feature_store_adapter_delivers_what_the_files_deliver(tmp_path, model_r
 
     with pytest.raises(BadInputError, match="pass --target"):
         HsstoreFeatureStore(tmp_path / "ds")
+
+
+def test_adapter_refs_name_the_samples_the_readers_refs_name(tmp_path):
+    """SpecForge lists an export's files sorted as text (data_0, data_1, data_10, ...): ref i of
+    the adapter must be ref i of the reader, so one seed trains on one order in both paths."""
+    from hsstore.integrations.specforge import HsstoreFeatureStore
+
+    reader = peer("specforge.runtime.data_plane.offline_reader")
+    store_mod = peer("specforge.runtime.data_plane.feature_store")
+    layers = [*PRE_NORM[:3], LayerSpec(N, final_norm=True)]
+    g = torch.Generator().manual_seed(1)
+    ds = hsstore.create(tmp_path / "ds", layers=layers, hidden_size=H, dtype=torch.bfloat16,
+                        model={"num_hidden_layers": N})  # fmt: skip
+    with ds.writer() as w:
+        for k in range(12):
+            t = 2 + k % 5
+            ids = torch.randint(0, VOCAB, (t,), generator=g, dtype=torch.int64)
+            hidden = torch.randn(t, len(layers), H, generator=g).to(torch.bfloat16)
+            w.add(f"s{k}", ids, torch.ones(t, dtype=torch.int64), hidden)
+        w.commit()
+    convert(tmp_path / "ds", tmp_path / "out", dst_format="specforge", progress=False)
+
+    theirs = reader.OfflineManifestReader(str(tmp_path / "out"), run_id="run").read()
+    files = [int(re.search(r"data_(\d+)\.ckpt$", r.feature_store_uri).group(1)) for r in theirs]
+    assert files[:4] == [0, 1, 10, 11]  # text order, so storage order would not pass
+    ours = HsstoreFeatureStore(tmp_path / "ds", "run").refs(run_id="run")
+    assert len(ours) == len(theirs)
+    files_store = store_mod.LocalFeatureStore("files")
+    store = HsstoreFeatureStore(tmp_path / "ds", "adapter")
+    for mine, their in zip(ours, theirs):
+        assert mine.sample_id == their.sample_id
+        assert mine.metadata["file_index"] == their.metadata["file_index"]
+        want, handle = files_store.get(their)
+        got, own_handle = store.get(mine)
+        assert set(got) == set(want)
+        for key in want:
+            assert bits(got[key]) == bits(want[key]), (mine.sample_id, key)
+        files_store.release(handle)
+        store.release(own_handle)
+
+
+def test_reader_order_is_specforges_listing_across_row_groups(tmp_path, monkeypatch):
+    """Past one rows_ folder the text order mixes folders too (rows_10-12 before rows_2-4);
+    groups of 2 instead of 2000 show it with 13 files instead of 10003."""
+    from hsstore.io import specforge
+
+    reader = peer("specforge.runtime.data_plane.offline_reader")
+    monkeypatch.setattr(specforge, "GROUP_SIZE", 2)
+    n = 13
+    for k in range(n):  # empty files are enough: only their names are listed
+        path = tmp_path / specforge.sample_relpath(k)
+        path.parent.mkdir(exist_ok=True)
+        path.touch()
+    assert (tmp_path / "rows_12-14" / "data_12.ckpt").exists()
+    listed = reader.list_feature_files(str(tmp_path))
+    order = [int(re.search(r"data_(\d+)\.ckpt$", p).group(1)) for p in listed]
+    assert order[:4] == [0, 1, 10, 11]  # rows_0-2, then rows_10-12
+    assert specforge.reader_order(n) == order

@@ -21,7 +21,13 @@ import hsstore
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
 from hsstore.io.final_norm import load_final_norm
-from hsstore.io.specforge import KEYS, check_final_norm, specforge_features, specforge_layout
+from hsstore.io.specforge import (
+    KEYS,
+    check_final_norm,
+    reader_order,
+    specforge_features,
+    specforge_layout,
+)
 
 URI_SCHEME = "hsstore-sample://"
 
@@ -58,12 +64,13 @@ class HsstoreFeatureStore(LocalFeatureStore):
     def refs(
         self, *, run_id: str = "offline", ttt_length: int = 7, max_len: int = 2048
     ) -> list[SampleRef]:
-        """One ref per sample in storage order, shaped like ``OfflineManifestReader``'s
-        (``specforge/runtime/data_plane/offline_reader.py`` ``_ref_for``)."""
+        """One ref per sample, shaped and ordered like ``OfflineManifestReader``'s over this
+        dataset's export (``specforge/runtime/data_plane/offline_reader.py`` ``_ref_for``): ref
+        ``i`` names the same sample in both, so one seed shuffles both into the same order."""
         lengths = self.ds.index.column("num_tokens").to_pylist()
         return [
             SampleRef(
-                sample_id=f"{run_id}:{k:08d}",
+                sample_id=f"{run_id}:{i:08d}",
                 run_id=run_id,
                 source_task_id=None,
                 feature_store_uri=f"{URI_SCHEME}{k}",
@@ -78,10 +85,10 @@ class HsstoreFeatureStore(LocalFeatureStore):
                     "schema_version": SCHEMA_VERSION,
                     "ttt_length": ttt_length,
                     "max_len": max_len,
-                    "file_index": k,
+                    "file_index": i,
                 },
             )
-            for k in range(len(self.ds))
+            for i, k in enumerate(reader_order(len(self.ds)))
         ]
 
     def get(

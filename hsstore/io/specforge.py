@@ -180,6 +180,19 @@ GROUP_SIZE = 2000  # scripts/prepare_hidden_states.py groups files in rows_{g}-{
 NUM_AUX = 3  # SpecForge's EAGLE-3 drafter fuses exactly three aux layers (fc is 3H -> H)
 
 
+def sample_relpath(k: int) -> str:
+    """Where an export puts sample ``k``, relative to the export's root."""
+    g = k // GROUP_SIZE * GROUP_SIZE
+    return f"rows_{g}-{g + GROUP_SIZE}/data_{k}.ckpt"
+
+
+def reader_order(n: int) -> list[int]:
+    """Sample indices of an export of ``n`` samples in the order SpecForge's
+    ``OfflineManifestReader`` lists them: it sorts the file paths as text (``list_feature_files``),
+    so ``data_10`` comes before ``data_2`` and ``rows_10000-12000`` before ``rows_2000-4000``."""
+    return sorted(range(n), key=sample_relpath)
+
+
 def specforge_layout(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
     """SpecForge aux ids of a dataset's layers, or BadInputError saying why it cannot hold them."""
     n = num_hidden_layers
@@ -267,8 +280,7 @@ class SpecForgeWriter(ForeignWriter):
         self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source)
 
     def sample_path(self, k: int) -> Path:
-        g = k // GROUP_SIZE * GROUP_SIZE
-        return self.out / f"rows_{g}-{g + GROUP_SIZE}" / f"data_{k}.ckpt"
+        return self.out / sample_relpath(k)
 
     def is_own(self, relative: Path) -> bool:
         return relative.name.startswith("rows_")
