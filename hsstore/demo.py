@@ -50,8 +50,11 @@ def run_demo(out: str | Path, *, workers: int = 2, progress: bool = True) -> dic
     from hsstore.audit.run import AuditOptions, audit
     from hsstore.convert import export_to_v1
     from hsstore.demo_model import build_tiny_model
+    from hsstore.extract.extra import require_extract_extra
     from hsstore.extract.runner import ExtractOptions, run_extract
     from hsstore.loader import Loader
+
+    require_extract_extra("hsstore demo")
 
     out = Path(out)
     if out.exists():

@@ -78,3 +78,8 @@ class LoaderStateError(HsstoreError):
 
 class StorageError(HsstoreError):
     """The storage behind a dataset refused or failed a request (credentials, bucket, network)."""
+
+
+class MissingExtraError(HsstoreError, ImportError):
+    """A feature needs packages of an optional extra that are not installed; the message names
+    the ``pip install`` line that brings them."""

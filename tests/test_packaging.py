@@ -86,7 +86,28 @@ def test_wheel_ships_the_library_and_not_the_tools(wheel):
     assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
 
 
-def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
+# Loaded by a .pth line in the wheel's environment: makes the modules named in $HSSTORE_HIDE
+# unimportable, as in an install without the extra that brings them.
+_HIDER = """
+import importlib.abc, os, sys
+
+class _Hide(importlib.abc.MetaPathFinder):
+    names = set(filter(None, os.environ.get("HSSTORE_HIDE", "").split(",")))
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _Hide())
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """Runs a command in a fresh environment holding the wheel, from a folder outside the
+    repository: ``run(*args, hide=())`` with ``hide`` the modules to make unimportable."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     env_dir = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     python = env_dir / "bin" / "python"
@@ -104,15 +125,26 @@ def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
     # Only after installing, or pip would take the shared editable hsstore for this one. Plain
     # directory lines: those folders' own .pth files (the editable hsstore) stay inactive.
     Path(purelib, "shared_site.pth").write_text("\n".join(_shared_site_packages()) + "\n")
+    Path(purelib, "_hsstore_test_hide.py").write_text(_HIDER)
+    Path(purelib, "_hsstore_test_hide.pth").write_text("import _hsstore_test_hide\n")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
 
-    def run(*args: str | Path) -> subprocess.CompletedProcess:
+    def run(*args: str | Path, hide: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [str(a) for a in args], cwd=elsewhere, env=env, capture_output=True, text=True
-        )
+            [str(a) for a in args], cwd=elsewhere, capture_output=True, text=True,
+            env={**env, "HSSTORE_HIDE": ",".join(hide)},
+        )  # fmt: skip
 
+    run.env_dir = env_dir
+    run.elsewhere = elsewhere
+    return run
+
+
+def test_installed_wheel_runs_the_demo_from_another_folder(installed):
+    run, env_dir, elsewhere = installed, installed.env_dir, installed.elsewhere
+    python = env_dir / "bin" / "python"
     where = run(
         python,
         "-c",
@@ -132,6 +164,29 @@ def test_installed_wheel_runs_the_demo_from_another_folder(wheel, tmp_path):
 
     extract_help = run(env_dir / "bin" / "hsstore", "extract", "--help")
     assert extract_help.returncode == 0 and "--model" in extract_help.stdout
+
+
+@pytest.mark.parametrize("hidden", ["transformers", "tokenizers"])
+def test_wheel_without_the_extract_extra_says_what_to_install(installed, hidden):
+    """Without transformers (or tokenizers) the commands that run a model stop in one line
+    naming the install command, exit 2 and create nothing."""
+    hsstore_bin = installed.env_dir / "bin" / "hsstore"
+    python = installed.env_dir / "bin" / "python"
+    gone = installed(python, "-c", f"import {hidden}", hide=(hidden,))
+    assert gone.returncode != 0 and "ModuleNotFoundError" in gone.stderr  # really hidden
+    (installed.elsewhere / "p.jsonl").write_text('{"text": "hello"}\n')
+    for args in (
+        ["demo", "no_extra_demo"],
+        ["extract", "--model", "model_dir", "--data", "p.jsonl", "--out", "no_extra_ds"],
+    ):
+        r = installed(hsstore_bin, *args, hide=(hidden,))
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr and r.stdout == ""
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1, r.stderr[-2000:]
+        assert f"needs {hidden}" in lines[0] and "pip install 'hsstore[extract]'" in lines[0]
+    assert not (installed.elsewhere / "no_extra_demo").exists()
+    assert not (installed.elsewhere / "no_extra_ds").exists()
 
 
 def _runtime_imports(path: Path, module: str, modules: set[str]) -> set[str]:

@@ -23,6 +23,7 @@ from typing import Any
 from hsstore.codecs import DEFAULT_CODEC
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extract.batching import parse_shard
+from hsstore.extract.extra import require_extract_extra
 from hsstore.extract.layer_select import parse_layers
 from hsstore.extract.progress import Progress
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
@@ -65,6 +66,7 @@ def run_extract(opts: ExtractOptions) -> dict[str, Any]:
     With ``check_against``, the same prompts are then extracted by that backend into a
     temporary dataset and compared layer by layer (``summary["check"]``, see hsstore/extract/check.py).
     """
+    require_extract_extra("hsstore extract")
     summary = _run_extract(opts)
     if opts.check_against:
         summary["check"] = _check_against(opts)
