@@ -11,7 +11,7 @@ PY=${PYTHON:-.venv/bin/python}
 # speculators 0.9's; newest: the registry's latest release, looked up on every run.
 VERSIONS=${TRANSFORMERS_VERSIONS:-"4.45.0 5.8.1 5.19.0 newest"}
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/hsstore
-TESTS=(tests/test_extract_golden.py tests/test_extract_selection.py tests/test_extract_prompts.py tests/test_demo.py)
+TESTS=(tests/test_extract_golden.py tests/test_extract_selection.py tests/test_extract_prompts.py)
 PYTAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 # Everything .venv has, pinned, except what a transformers release brings its own version of.
 FLOATING='^(transformers|tokenizers|huggingface[-_]hub|hf[-_]xet)=='
