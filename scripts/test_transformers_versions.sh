@@ -6,7 +6,7 @@
 #   TRANSFORMERS_VERSIONS="5.19.0 newest" scripts/test_transformers_versions.sh   # a subset
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-.venv/bin/python}
+PY=${VENV_PYTHON:-.venv/bin/python}  # the environment the overlays go on top of
 # 4.45.0: the lowest pyproject allows; 5.8.1: SpecForge 0.2's pin; 5.19.0: sglang 0.5.23's and
 # speculators 0.9's; newest: the registry's latest release, looked up on every run.
 VERSIONS=${TRANSFORMERS_VERSIONS:-"4.45.0 5.8.1 5.19.0 newest"}
