@@ -86,6 +86,10 @@ class FakeGcsServer:
         return f"http://127.0.0.1:{self.gateway_port}"
 
     @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    @property
     def upstream(self) -> str:
         return f"http://127.0.0.1:{self.server_port}"
 
@@ -169,6 +173,9 @@ def _xml_error(code: str, message: str) -> bytes:
 
 class _Gateway(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes: without this, Nagle's algorithm and the
+    # client's delayed ACK hold every answer back by tens of milliseconds.
+    disable_nagle_algorithm = True
     upstream: urllib.parse.SplitResult
     uploads: Path
     _local = threading.local()
@@ -229,8 +236,9 @@ class _Gateway(BaseHTTPRequestHandler):
         body = self._body() if self.command in ("PUT", "POST") else None
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
         status, got, data = self._upstream(self.command, self.path, body, headers)
-        if status == 404:
-            bucket, _, _ = self._split()
+        bucket, _, _ = self._split()
+        # fake-gcs-server answers a listing of a missing bucket with a 500
+        if status == 404 or (status == 500 and not self._bucket_exists(bucket)):
             code = "NoSuchKey" if self._bucket_exists(bucket) else "NoSuchBucket"
             self._reply(404, _xml_error(code, "Not found"), {"Content-Type": "application/xml"})
             return
