@@ -207,13 +207,13 @@ def test_cli_and_loader_read_remote(remote_url, tmp_path):
     assert r.exit_code == 0, r.output
 
 
-def test_loader_worker_processes_read_s3(s3_url):
+def test_loader_worker_processes_read_remote(remote_url):
     """Worker processes are spawned for an object store (its client does not survive fork)."""
-    ds = _make(s3_url)
+    ds = _make(remote_url)
     with ds.writer() as w:
         for i in range(6):
             w.add(f"s-{i}", *_sample("s", i))
-    loader = Loader(s3_url, max_tokens=128, seed=0, workers=2)
+    loader = Loader(remote_url, max_tokens=128, seed=0, workers=2)
     seen = sorted(i for b in loader for i in b["sample_index"].tolist())
     loader.close()
     assert seen == list(range(6))
