@@ -282,7 +282,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("problem", ["wrong secret", "missing bucket", "unreachable endpoint"])
-def test_storage_problems_are_one_line_exit_2(remote, problem, monkeypatch):
+def test_storage_problems_are_one_line_exit_2(remote, problem, monkeypatch, tmp_path):
     if problem == "wrong secret" and remote.secret_var is None:
         pytest.skip(f"the {remote.scheme} emulator checks no credentials")
     _make(remote.url)
@@ -307,7 +307,11 @@ def test_storage_problems_are_one_line_exit_2(remote, problem, monkeypatch):
     for name, value in env.items():
         if name.startswith(("AWS_", "GOOGLE_", "AZURE_", "AZURITE_", "HSSTORE_")):
             monkeypatch.setenv(name, value)
-    for args in (["verify", url], ["gc", url], ["convert", url, "unused-out", "--no-progress"]):
+    for args in (
+        ["verify", url],
+        ["gc", url],
+        ["convert", url, str(tmp_path / "out"), "--no-progress"],
+    ):
         got = _cli(*args)
         results.append((got.exit_code, got.stderr))
     for code, stderr in results:
