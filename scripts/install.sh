@@ -16,4 +16,11 @@ python -m pip install --quiet -e '.[dev]'
 python -m pip install --quiet --no-deps "speculators==0.9.0" "hs-connectors==0.9.0" "specforge==0.2.0"
 # The sglang wheel's sources are read (never imported) by the SGLang contract tests; no deps.
 ls .cache/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 || python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_34_x86_64 "sglang==0.5.23" -d .cache/wheels
+# Azurite, the Azure Blob server the az:// tests run against (tools/azurite.py), from npm into
+# .cache/azurite; reinstalled only when the pinned version changes.
+AZURITE_VERSION=3.37.0
+[ "$(cat .cache/azurite/.version 2>/dev/null)" = "$AZURITE_VERSION" ] || {
+  npm install --silent --no-audit --no-fund --prefix .cache/azurite "azurite@$AZURITE_VERSION"
+  echo "$AZURITE_VERSION" > .cache/azurite/.version
+}
 echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"

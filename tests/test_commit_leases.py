@@ -1,4 +1,4 @@
-"""The commit/gc protocol under exact interleavings, on a local disk and on S3 alike.
+"""The commit/gc protocol under exact interleavings, on a local disk and on S3, GCS and Azure alike.
 
 Each test puts a writer step at one precise point of gc (or a failure at one precise point of a
 commit) through the hooks the protocol exposes, so no outcome depends on scheduling luck.
@@ -23,11 +23,11 @@ from tools.synthetic import random_sample
 TTL = 0.4
 
 
-@pytest.fixture(params=["local", "s3"])
-def location(request: pytest.FixtureRequest, tmp_path) -> str:
+@pytest.fixture(params=["local", "s3", "gs", "az"])
+def location(request: pytest.FixtureRequest, tmp_path, remote_of) -> str:
     if request.param == "local":
         return str(tmp_path / "ds")
-    return request.getfixturevalue("s3_url")
+    return remote_of(request.param).url
 
 
 def _lapse_wait(location: str) -> float:

@@ -70,11 +70,11 @@ def test_a_split_read_returns_the_bits_written(tmp_path, threads, verify, aligne
     assert any(t.name.startswith("hsstore-read") for t in threading.enumerate())
 
 
-def test_a_split_read_from_object_storage(s3_url):
+def test_a_split_read_from_object_storage(remote_url):
     """On an object store each share fetches its own chunks: requests of several shares are in
     flight at once."""
-    written = _build(s3_url)
-    ds = hsstore.open(s3_url, read_threads=4)
+    written = _build(remote_url)
+    ds = hsstore.open(remote_url, read_threads=4)
     assert ds.storage.coalesce_bytes > 0 and len(_shares_of(ds, BIG, 4)) == 4
     for i, want in enumerate(written):
         assert torch.equal(ds.read(i).hidden.view(torch.int16), want.view(torch.int16)), f"s{i}"

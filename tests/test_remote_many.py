@@ -1,5 +1,7 @@
 """Many machines on one s3:// dataset: `extract --shard i/N` processes standing in for nodes,
-and the trainer under `torchrun --nproc-per-node 2` (gloo, CPU)."""
+and the trainer under `torchrun --nproc-per-node 2` (gloo, CPU). These run on S3 only: they
+spend their time in extraction and training, and the storage paths they take (many writers'
+commits, a killed writer, readers) run on gs:// and az:// in tests/test_remote_store.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The read-request path: coalesced chunk reads (local and s3://) and the local cache of a
-remote dataset (bounded, and never serving a damaged copy)."""
+"""The read-request path: coalesced chunk reads (local, s3://, gs://, az://) and the local cache
+of a remote dataset (bounded, and never serving a damaged copy)."""
 
 from __future__ import annotations
 
@@ -81,12 +81,12 @@ def test_coalesced_reads_are_bit_identical_to_per_chunk_reads_locally(tmp_path):
             assert coalesced.range_calls < per_chunk.single_reads / 2
 
 
-def test_coalesced_reads_are_bit_identical_on_s3(s3_url, tmp_path):
-    _make(s3_url)
+def test_coalesced_reads_are_bit_identical_on_object_stores(remote_url, tmp_path):
+    _make(remote_url)
     local_root = str(tmp_path / "local")
     _make(local_root)
     expected = _all_reads(LocalStorage(local_root))
-    remote = open_storage(s3_url)
+    remote = open_storage(remote_url)
     assert isinstance(remote, ObjectStorage) and remote.coalesce_bytes > 0
     for cap in (1, 3000, remote.coalesce_bytes):
         remote.coalesce_bytes = cap
@@ -94,11 +94,11 @@ def test_coalesced_reads_are_bit_identical_on_s3(s3_url, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
-def test_read_ranges_into_splits_long_ranges_and_fills_each_buffer(s3_url, monkeypatch):
+def test_read_ranges_into_splits_long_ranges_and_fills_each_buffer(remote_url, monkeypatch):
     import hsstore.format.object_store as object_store
 
     monkeypatch.setattr(object_store, "SPLIT_BYTES", 1000)
-    storage = open_storage(s3_url)
+    storage = open_storage(remote_url)
     blob = os.urandom(10_000)
     storage.write_file("segments/x/states/c/0/0/0", [blob])
     bufs = [memoryview(bytearray(n)) for n in (3500, 1, 999, 2000)]
@@ -117,17 +117,17 @@ def _cached_files(cache: Path) -> list[Path]:
     ]
 
 
-def test_cache_stays_within_its_byte_budget(s3_url, tmp_path):
-    _make(s3_url)
-    expected = _all_reads(open_storage(s3_url))
+def test_cache_stays_within_its_byte_budget(remote_url, tmp_path):
+    _make(remote_url)
+    expected = _all_reads(open_storage(remote_url))
     cache = tmp_path / "cache"
     budget = 40_000
-    storage = ObjectStorage(s3_url, cache_dir=str(cache), cache_bytes=budget)
+    storage = ObjectStorage(remote_url, cache_dir=str(cache), cache_bytes=budget)
     got = _all_reads(storage)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     total_shards = sum(
         info.size
-        for seg in hsstore.open(s3_url).manifest.segments
+        for seg in hsstore.open(remote_url).manifest.segments
         for rel, info in seg.files.items()
         if rel.startswith("states/c/")
     )
@@ -145,26 +145,26 @@ def _flip_byte(path: Path) -> None:
 
 
 @pytest.mark.parametrize("codec", ["blosc-zstd", "none"])
-def test_damaged_cached_file_is_fetched_again(s3_url, tmp_path, codec):
-    _make(s3_url, codec)
-    expected = _all_reads(open_storage(s3_url))
+def test_damaged_cached_file_is_fetched_again(remote_url, tmp_path, codec):
+    _make(remote_url, codec)
+    expected = _all_reads(open_storage(remote_url))
     cache = tmp_path / "cache"
-    _all_reads(ObjectStorage(s3_url, cache_dir=str(cache)))
+    _all_reads(ObjectStorage(remote_url, cache_dir=str(cache)))
     files = _cached_files(cache)
     assert files
     for path in files:
         _flip_byte(path)
     damaged = {p: p.read_bytes() for p in files}
     # A later run (a new storage, as in a new process) checks each copy before using it.
-    got = _all_reads(ObjectStorage(s3_url, cache_dir=str(cache)))
+    got = _all_reads(ObjectStorage(remote_url, cache_dir=str(cache)))
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert all(p.read_bytes() != damaged[p] for p in files)
 
 
-def test_cached_file_damaged_while_in_use_fails_clearly(s3_url, tmp_path):
-    _make(s3_url)
+def test_cached_file_damaged_while_in_use_fails_clearly(remote_url, tmp_path):
+    _make(remote_url)
     cache = tmp_path / "cache"
-    storage = ObjectStorage(s3_url, cache_dir=str(cache))
+    storage = ObjectStorage(remote_url, cache_dir=str(cache))
     _all_reads(storage)
     for path in _cached_files(cache):
         _flip_byte(path)
@@ -173,4 +173,4 @@ def test_cached_file_damaged_while_in_use_fails_clearly(s3_url, tmp_path):
     with pytest.raises(IntegrityError) as err:
         for i in range(N):
             ds[i]
-    assert s3_url in str(err.value) and "\n" not in str(err.value)
+    assert remote_url in str(err.value) and "\n" not in str(err.value)

@@ -75,6 +75,10 @@ class SeaweedServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def env(self, **override: str) -> dict[str, str]:
         """The standard variables obstore reads to reach this server."""
         env = {
