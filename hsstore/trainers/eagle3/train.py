@@ -226,6 +226,22 @@ def split_layers(
     return [i for i in range(len(layers)) if i != deepest], deepest
 
 
+def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2):
+    """The dataset at ``path``, waiting for the extraction to create it (``--follow`` may start
+    with the extraction: its start-up then overlaps the extraction's)."""
+    import hsstore
+    from hsstore.errors import NotADatasetError
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            return hsstore.open(path)
+        except (NotADatasetError, FileNotFoundError):
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise
+            time.sleep(poll_s)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -262,7 +278,9 @@ def train(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     # Dataset: which stored layers feed fc, which one is the target's last state.
-    ds = hsstore.open(args.data)
+    ds = (
+        wait_for_dataset(args.data, args.follow_timeout) if args.follow else hsstore.open(args.data)
+    )
     num_layers = ds.manifest.model.num_hidden_layers
     aux_pos, verifier_pos = split_layers(ds.layers, num_layers, need_last=bool(args.target))
     aux_specs = [ds.layers[i] for i in aux_pos]
@@ -386,6 +404,7 @@ def train(args: argparse.Namespace) -> dict:
             flush=True,
         )
     wait_total, run_start = 0.0, time.perf_counter()
+    first_batch_at = None  # wall clock (time.time), comparable with other processes' clocks
     stop = min(args.steps, start_step + args.stop_after) if args.stop_after else args.steps
     model.train()
     for step in range(start_step, stop):
@@ -395,6 +414,8 @@ def train(args: argparse.Namespace) -> dict:
         if batch is None:  # the last epoch ended (every rank at the same step: tail="pad")
             stop = step
             break
+        if first_batch_at is None:
+            first_batch_at = time.time()
         epoch, global_batch, repeat = loader.last_batch or (loader.epoch, -1, False)
         view = align_batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         aux = view["aux"] if use_bf16 else view["aux"].float()
@@ -461,6 +482,7 @@ def train(args: argparse.Namespace) -> dict:
         "steps": len(history),
         "first_step": start_step + 1,
         "epoch": loader.epoch,
+        "first_batch_time": first_batch_at,
         "extraction_complete": completion(ds.refresh().manifest.provenance).complete,
     }
     if args.samples_log:
