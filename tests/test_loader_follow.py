@@ -307,3 +307,14 @@ def test_run_records_survive_the_history(tmp_path):
     assert np.array_equal(
         hsstore.open(path).index.column("num_tokens").to_numpy()[:4], [3, 4, 5, 6]
     )
+
+
+def test_version_1_state_still_resumes_at_its_world_size(fixed):
+    from hsstore.loader.plan import fingerprint_v1
+
+    ld = Loader(fixed, max_tokens=MAX_TOKENS, rank=1, world_size=2, num_threads=1)
+    old = {"version": 1, "epoch": 0, "step": 1, "seed": 0,
+           "fingerprint": fingerprint_v1(ld.config, ld.source.data_fingerprint, 2)}  # fmt: skip
+    ld.load_state_dict(old)
+    assert (ld.epoch, ld.start, ld.step, ld.position) == (0, 0, 1, 2)
+    ld.close()
