@@ -86,6 +86,7 @@ class Writer:
         self._held: list[str] = []
         self._finished: list[SegmentInfo] = []
         self._skipped: list[dict[str, str]] = []
+        self._runs: list[dict[str, Any]] = []
         self._bytes_committed = 0
         self._closed = False
         # A writer dropped without close() must not keep its segments locked until exit.
@@ -249,6 +250,11 @@ class Writer:
         """Note an input that was not added; it is written to the manifest's provenance."""
         self._skipped.append({"name": str(name), "reason": str(reason)})
 
+    def record_run(self, record: dict[str, Any]) -> None:
+        """Note a job's start or finish (``hsstore.format.runs``); the next commit appends it
+        to the manifest's ``provenance.runs``, with or without new samples."""
+        self._runs.append(dict(record))
+
     # -- segments ----------------------------------------------------------------------------
     def _new_segment(self) -> SegmentWriter:
         seg_id = uuid.uuid4().hex
@@ -265,11 +271,12 @@ class Writer:
     def commit(self) -> Manifest | None:
         """Publish everything added so far as a new version; returns it (None if nothing new)."""
         self._finish_segment()
-        if not self._finished and not self._skipped:
+        if not self._finished and not self._skipped and not self._runs:
             return None
         mine = list(self._finished)
         my_ids = set(self._new_ids)
         skipped = list(self._skipped)
+        runs = list(self._runs)
         refused: list[BaseException] = []
 
         def build_next(latest: Manifest) -> Manifest:
@@ -300,6 +307,8 @@ class Writer:
             provenance = dict(latest.provenance)
             if skipped:
                 provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
+            if runs:
+                provenance["runs"] = list(provenance.get("runs", [])) + runs
             # Last step before the conditional create: a fresh lease has a whole ttl to run,
             # so gc cannot judge these segments dead while the put is in flight.
             self.leases.refresh_now([seg.id for seg in mine])
@@ -335,6 +344,7 @@ class Writer:
         self._new_ids.clear()
         self._finished.clear()
         self._skipped.clear()
+        self._runs.clear()
         self.manifest = published
         self._segments_seen = len(published.segments)
         self.ds.refresh(to=published)
@@ -360,6 +370,7 @@ class Writer:
         self._finished.clear()
         self._new_ids.clear()
         self._skipped.clear()
+        self._runs.clear()
 
     def abort(self) -> None:
         """Drop every segment not yet committed (its files are deleted).
@@ -377,6 +388,7 @@ class Writer:
         self._held.clear()
         self._new_ids.clear()
         self._skipped.clear()
+        self._runs.clear()
 
     def close(self) -> None:
         """End the writer. Segments not committed by now stay unlocked on disk for gc to sweep.

@@ -22,6 +22,7 @@ from hsstore.dataset import Dataset
 from hsstore.errors import HsstoreError, NotADatasetError
 from hsstore.format.layers import LayerSpec
 from hsstore.format.locations import is_url
+from hsstore.format.runs import completion
 from hsstore.io.base import ForeignReader
 from hsstore.stats import LayerStats
 
@@ -58,6 +59,7 @@ class AuditSource:
     dtype: str
     model: dict[str, Any]
     codec: dict[str, Any] | None = None
+    extraction: dict[str, Any] | None = None  # what the run records say (hsstore.format.runs)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -101,6 +103,9 @@ class HsstoreSource(AuditSource):
         self.model = man.model.to_json()
         self.codec = man.codec.to_json()
         self.version = man.version
+        done = completion(man.provenance)
+        if done.records:
+            self.extraction = {"complete": done.complete, "pending": done.pending}
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -87,6 +87,12 @@ def _summary_lines(s: dict[str, Any], sampling: dict[str, Any]) -> list[str]:
         f"({'everything' if sampling['mode'] == 'full' else 'uniform sample, seed ' + str(sampling['seed'])})",
         "  layers",
     ]
+    run = s.get("extraction")
+    if run is not None:
+        state = "complete" if run["complete"] else "not complete"
+        if run["pending"]:
+            state += " (shards not finished: " + ", ".join(run["pending"][:8]) + ")"
+        lines.insert(-1, f"  extraction  {state}")
     for layer in s["layers"]:
         src = ""
         if layer["source_convention"]:

@@ -85,4 +85,5 @@ def build_summary(
         "bytes_on_disk": disk,
         "raw_bytes": raw,
         "compression_ratio": raw / disk if disk else None,
+        "extraction": src.extraction,
     }

@@ -28,6 +28,7 @@ from hsstore.extract.layer_select import parse_layers
 from hsstore.extract.progress import Progress
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.format.layers import LayerSpec
+from hsstore.format.runs import input_identity, run_record
 
 
 class WorkerFailedError(HsstoreError):
@@ -134,6 +135,8 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     import hsstore
 
     debris = hsstore.gc(opts.out).removed_segments
+    job = input_identity(opts.data, limit=opts.limit, max_length=opts.max_length)
+    _record_run(opts.out, run_record("started", job, shard_i, shards))
     gpus = _visible_gpus() if device.startswith("cuda") else []
     threads = max(1, (os.cpu_count() or 1) // opts.workers)
     base = WorkerSpec(
@@ -175,7 +178,17 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     if nothing and (shards == 1 or summary["skipped_total"] > 0):
         reasons = "; ".join(f"{n} x {r}" for r, n in sorted(summary["skipped"].items()))
         raise BadInputError(f"no usable rows for this run ({reasons or 'no rows'})", path=opts.data)
+    done = summary["samples_written"] + summary["samples_already_present"]
+    _record_run(opts.out, run_record("finished", job, shard_i, shards, samples=done))
     return summary
+
+
+def _record_run(out: str, record: dict[str, Any]) -> None:
+    """Commit a start or finish record (readers tell a finished extraction by them)."""
+    import hsstore
+
+    with hsstore.open(out).writer() as w:
+        w.record_run(record)
 
 
 def _sglang_engine_factory_given(opts: ExtractOptions) -> bool:

@@ -46,6 +46,10 @@ FORMAT_VERSION = 3
 # Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
 # without a checksum (see FORMAT.md).
 
+# Provenance lists a commit may append to (and nothing else of the provenance may change):
+# inputs a converter left out, and the start and end records of extraction runs.
+APPENDED_PROVENANCE = ("skipped", "runs")
+
 # A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
 # nest, so a hostile or damaged one cannot make a reader recurse without limit.
 MAX_NESTING = 64
@@ -264,23 +268,27 @@ class Manifest:
     def delta_to(self, nxt: Manifest) -> Delta:
         """The delta that turns this version into ``nxt`` (which only adds to it)."""
         n = len(self.segments)
-        old_skipped = self.provenance.get("skipped", [])
-        new_skipped = nxt.provenance.get("skipped", [])
+        added = {}
+        for key in APPENDED_PROVENANCE:
+            old, new = self.provenance.get(key, []), nxt.provenance.get(key, [])
+            if new[: len(old)] != old:
+                raise FormatError(f"a commit may only append to provenance.{key}")
+            added[key] = tuple(new[len(old) :])
         if (
             nxt.version != self.version + 1
             or nxt.segments[:n] != self.segments
-            or new_skipped[: len(old_skipped)] != old_skipped
-            or {k: v for k, v in nxt.provenance.items() if k != "skipped"}
-            != {k: v for k, v in self.provenance.items() if k != "skipped"}
+            or {k: v for k, v in nxt.provenance.items() if k not in APPENDED_PROVENANCE}
+            != {k: v for k, v in self.provenance.items() if k not in APPENDED_PROVENANCE}
             or _fixed_part(nxt) != _fixed_part(self)
         ):
-            raise FormatError("a commit may only add segments and skipped inputs")
+            raise FormatError("a commit may only add segments, skipped inputs and run records")
         return Delta(
             version=nxt.version,
             dataset_id=self.dataset_id,
             committed_at=nxt.committed_at,
             add_segments=nxt.segments[n:],
-            add_skipped=tuple(new_skipped[len(old_skipped) :]),
+            add_skipped=added["skipped"],
+            add_runs=added["runs"],
         )
 
     def apply(self, delta: Delta, *, where: str) -> Manifest:
@@ -295,9 +303,10 @@ class Manifest:
             )
         _check_unique_segments(self.segments, delta.add_segments, where=where)
         provenance = self.provenance
-        if delta.add_skipped:
-            provenance = dict(provenance)
-            provenance["skipped"] = list(provenance.get("skipped", [])) + list(delta.add_skipped)
+        for key, added in (("skipped", delta.add_skipped), ("runs", delta.add_runs)):
+            if added:
+                provenance = dict(provenance)
+                provenance[key] = list(provenance.get(key, [])) + list(added)
         return replace(
             self,
             version=delta.version,
@@ -415,9 +424,10 @@ class Delta:
     committed_at: str
     add_segments: tuple[SegmentInfo, ...]
     add_skipped: tuple[dict[str, str], ...] = ()
+    add_runs: tuple[dict[str, Any], ...] = ()  # appended to provenance.runs (hsstore.format.runs)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "delta",
@@ -427,6 +437,9 @@ class Delta:
             "add_segments": [s.to_json() for s in self.add_segments],
             "add_skipped": list(self.add_skipped),
         }
+        if self.add_runs:  # written only when there are some: most commits add none
+            obj["add_runs"] = list(self.add_runs)
+        return obj
 
     def to_bytes(self) -> bytes:
         return _seal(self.to_json(), where=f"manifest version {self.version}")
@@ -441,6 +454,7 @@ class Delta:
             committed_at=obj["committed_at"],
             add_segments=segments,
             add_skipped=tuple(obj["add_skipped"]),
+            add_runs=tuple(obj.get("add_runs", ())),
         )
 
 

@@ -12,6 +12,8 @@ writes into ``data_{k}.ckpt`` (final norm applied the same way when the final st
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from specforge.runtime.contracts import SCHEMA_VERSION, FeatureHandle, SampleRef
@@ -90,6 +92,22 @@ class HsstoreFeatureStore(LocalFeatureStore):
             )
             for i, k in enumerate(reader_order(len(self.ds)))
         ]
+
+    def planned_refs(
+        self, batches: Iterable[Sequence[int]], **ref_options: Any
+    ) -> Iterator[list[SampleRef]]:
+        """The refs of each planned batch (storage positions, e.g. from
+        ``PlannedBatchSampler(url, max_tokens=..., follow=True)``), in plan order: SpecForge
+        then trains on the loader's plan. The dataset is reread when a batch names samples
+        committed after it was opened. ``ref_options``: those of ``refs()``."""
+        by_index: dict[int, SampleRef] = {}
+        for batch in batches:
+            if batch and max(batch) >= len(self.ds):
+                self.ds.refresh()
+                by_index = {}
+            if not by_index:
+                by_index = {int(r.metadata["file_index"]): r for r in self.refs(**ref_options)}
+            yield [by_index[int(k)] for k in batch]
 
     def get(
         self,

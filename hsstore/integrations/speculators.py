@@ -5,6 +5,11 @@ Replace ``ArrowDataset(max_len, datapath, ...)`` (``speculators/train/data.py``)
 sampler in ``speculators/train/dataloader.py``) is unchanged. Each item is what
 ``ArrowDataset._get_raw_data`` returns for the converted files: every stored layer but the last
 concatenated as ``hidden_states`` [T, (L-1)*H], the last as ``verifier_last_hidden_states``.
+
+The loader's plan drives it as a batch sampler: ``DataLoader(HsstoreArrowDataset(...),
+batch_sampler=PlannedBatchSampler(url, max_tokens=..., follow=True), collate_fn=...)`` trains
+on the loader's batches, elastic resume and a following first pass included (item k is
+storage position k with the default split).
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ class HsstoreArrowDataset(BaseDataset):
         self.start, self.stop = (0, split_idx) if split == "train" else (split_idx, len(ds))
         if self.start >= self.stop:
             raise ValueError(f"{split} split is empty (dataset has {len(ds)} rows)")
+        # A dataset still being extracted: the whole-set train split grows with it, so the
+        # batches of a following PlannedBatchSampler can name samples committed later.
+        self.grows = split == "train" and train_ratio == 1.0
         # BaseDataset.__init__ calls _compute_approx_lengths, so the dataset must be open first.
         super().__init__(max_len, hidden_states_dtype)
 
@@ -72,6 +80,8 @@ class HsstoreArrowDataset(BaseDataset):
         return [int(v) for v in lengths]
 
     def _get_raw_data(self, index: int) -> dict[str, Any]:
+        if self.grows and index >= len(self):
+            self.stop = len(self.ds.refresh())
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         s = self.ds[self.start + index]

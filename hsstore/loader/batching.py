@@ -23,6 +23,11 @@ from hsstore.errors import BadInputError
 
 OVER_LONG_POLICIES = ("truncate", "skip", "error")
 
+# Yielded by a batch schedule that cannot go on without waiting for the dataset to grow (a
+# following loader's first pass): the fetcher then finishes the batch it holds instead of
+# sitting on it while it waits (see fetch.BatchFetcher).
+WAIT = object()
+
 
 @dataclass(frozen=True)
 class BatchPlan:

@@ -23,6 +23,7 @@ from hsstore.dataset import Dataset
 from hsstore.dataset import open as open_dataset
 from hsstore.errors import BadInputError
 from hsstore.format.layers import LayerSpec
+from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
 
 
@@ -98,6 +99,7 @@ class DatasetSource:
         # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
         self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else man.torch_dtype
         self.data_fingerprint = _data_fingerprint(index)
+        self.dataset_id = man.dataset_id
         # A dataset object opened with another verify setting is reopened on first read.
         self._ds: Dataset | None = ds if self.verify_reads == ds.verify_reads else None
         self._pid = self._lock_pid = os.getpid()
@@ -105,6 +107,22 @@ class DatasetSource:
 
     def __len__(self) -> int:
         return len(self.num_tokens)
+
+    def grow(self, manifest: Manifest) -> None:
+        """Move to ``manifest``, a later version of this dataset (a followed dataset's new
+        samples). Positions are stable: a version only appends, so batches planned on the
+        old arrays read the same samples."""
+        ds = self.ds
+        ds.refresh(to=manifest)
+        index = ds.index
+        self.num_tokens = np.asarray(index.column("num_tokens").to_numpy(), dtype=np.int64)
+        self.segments = np.asarray(index.column("segment").to_numpy(), dtype=np.int64)
+
+    def ensure(self, n: int) -> None:
+        """Make the first ``n`` positions known and readable in this process (a process that
+        opened a followed dataset before the samples it is asked for were committed)."""
+        if len(self) < n:
+            self.grow(self.ds.refresh().manifest)
 
     @property
     def ds(self) -> Dataset:

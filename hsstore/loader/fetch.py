@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hsstore.loader.batching import padded_length
+from hsstore.loader.batching import WAIT, padded_length
 from hsstore.loader.collate import (
     HostBuffers,
     Placements,
@@ -106,7 +106,7 @@ class BatchFetcher:
         source: DatasetSource,
         choice: LayerChoice,
         shape: BatchShape,
-        batches: Iterable[tuple[np.ndarray, np.ndarray]],
+        batches: Iterable[tuple[np.ndarray, np.ndarray] | object],
         *,
         num_threads: int = 4,
         prefetch: int = 2,
@@ -170,11 +170,14 @@ class BatchFetcher:
 
     # --- producer side ---------------------------------------------------------------------
 
-    def _produce(self, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+    def _produce(self, batches: Iterator[tuple[np.ndarray, np.ndarray] | object]) -> None:
         try:
             upcoming = next(batches, None)
             while upcoming is not None:
-                samples, tokens = upcoming
+                if upcoming is WAIT:  # nothing held: now the plan may wait for its next batch
+                    upcoming = next(batches, None)
+                    continue
+                samples, tokens = upcoming  # type: ignore[misc]
                 upcoming = next(batches, None)
                 b, t = self.shape.dims(tokens)
                 if self._reuse:
@@ -199,8 +202,8 @@ class BatchFetcher:
                     )
                     input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
-                    if upcoming is not None:  # its reads from disk overlap this batch's decoding
-                        self.source.will_read(upcoming[0], self._layers)
+                    if upcoming is not None and upcoming is not WAIT:  # its reads from disk
+                        self.source.will_read(upcoming[0], self._layers)  # overlap this decode
                 except BaseException:
                     todo.clear()
                     raise

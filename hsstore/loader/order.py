@@ -16,9 +16,13 @@ import numpy as np
 _ORDER_TAG = 0x6873_6F72  # "hsor"
 
 
-def epoch_rng(seed: int, epoch: int, tag: int = _ORDER_TAG) -> np.random.Generator:
-    """A generator that depends only on (seed, epoch, tag): same inputs, same stream, anywhere."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([tag, seed, epoch])))
+def epoch_rng(
+    seed: int, epoch: int, tag: int = _ORDER_TAG, part: int | None = None
+) -> np.random.Generator:
+    """A generator that depends only on (seed, epoch, tag, part): same inputs, same stream,
+    anywhere. ``part`` tells apart the windows of a followed dataset's first pass."""
+    entropy = [tag, seed, epoch] + ([] if part is None else [part])
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
 def storage_blocks(
@@ -54,18 +58,20 @@ def epoch_order(
     block_size: int = 64,
     window: int = 1024,
     segments: np.ndarray | None = None,
+    part: int | None = None,
 ) -> np.ndarray:
     """The storage positions of all samples, in the order epoch ``epoch`` visits them.
 
     ``segments`` (the index's segment column, storage order) keeps blocks inside one segment.
     ``shuffle=False`` returns storage order. The result is a permutation of
-    ``range(num_samples)`` (int64).
+    ``range(num_samples)`` (int64). ``part``: a separate stream of the same epoch (one per
+    window of a followed dataset).
     """
     if not shuffle or num_samples <= 1:
         return np.arange(num_samples, dtype=np.int64)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    rng = epoch_rng(seed, epoch)
+    rng = epoch_rng(seed, epoch, part=part)
     starts = storage_blocks(num_samples, block_size, segments)
     sizes = np.diff(np.concatenate([starts, [num_samples]]))
     perm = rng.permutation(len(starts))

@@ -49,16 +49,29 @@ class PlanConfig:
         return self.batch_size is None
 
 
-def global_plan(cfg: PlanConfig, num_tokens: np.ndarray, segments: np.ndarray | None, epoch: int):
-    """Every batch of the epoch, over all ranks."""
-    order = epoch_order(
-        len(num_tokens),
+def global_plan(
+    cfg: PlanConfig,
+    num_tokens: np.ndarray,
+    segments: np.ndarray | None,
+    epoch: int,
+    *,
+    lo: int = 0,
+    hi: int | None = None,
+    part: int | None = None,
+) -> BatchPlan:
+    """Every batch of the epoch, over all ranks: of the samples at storage positions
+    ``[lo, hi)`` (default: all), shuffled by the stream ``part`` of the epoch (see
+    ``order.epoch_order``)."""
+    hi = len(num_tokens) if hi is None else hi
+    order = lo + epoch_order(
+        hi - lo,
         seed=cfg.seed,
         epoch=epoch,
         shuffle=cfg.shuffle,
         block_size=cfg.block_size,
         window=cfg.window,
-        segments=segments,
+        segments=None if segments is None else segments[lo:hi],
+        part=part,
     )
     if cfg.packed:
         return plan_packed(
@@ -75,13 +88,22 @@ def rank_plan(
     epoch: int,
     rank: int,
     world_size: int,
+    start: int = 0,
 ) -> BatchPlan:
-    """The batches rank ``rank`` processes in epoch ``epoch``, in order."""
+    """The batches rank ``rank`` processes in epoch ``epoch`` from global position ``start``
+    (batches of the epoch already done, by any number of ranks), in order."""
     full = global_plan(cfg, num_tokens, segments, epoch)
-    return full.select(rank_batches(len(full), rank, world_size, cfg.tail))
+    return full.select(rank_batches(len(full), rank, world_size, cfg.tail, start))
 
 
-def fingerprint(cfg: PlanConfig, data_fingerprint: int, world_size: int) -> int:
-    """A checksum of what a resumed run must share with the run that saved its state."""
+def fingerprint_v1(cfg: PlanConfig, data_fingerprint: int, world_size: int) -> int:
+    """The checksum of a version 1 state, which also covered the world size."""
     text = repr(sorted(asdict(cfg).items())) + f"|{data_fingerprint}|{world_size}"
+    return zlib.crc32(text.encode())
+
+
+def fingerprint(cfg: PlanConfig, data_fingerprint: int) -> int:
+    """A checksum of what a resumed run must share with the run that saved its state: the
+    plan settings and the data, never the world size (the global plan does not depend on it)."""
+    text = repr(sorted(asdict(cfg).items())) + f"|{data_fingerprint}"
     return zlib.crc32(text.encode())

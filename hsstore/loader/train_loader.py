@@ -17,6 +17,7 @@ was prefetched.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -28,45 +29,69 @@ from torch.utils.data import DataLoader
 from hsstore.errors import BadInputError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher
-from hsstore.loader.plan import PlanConfig, rank_plan
+from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
+from hsstore.loader.partition import rank_batches
+from hsstore.loader.plan import global_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
-from hsstore.loader.stream import HiddenStateStream, PlannedEpochs
+from hsstore.loader.stream import HiddenStateStream, PlannedEpochs, RankPlan
 
 
 class _Tag(NamedTuple):
-    """Where a decoded batch sits in the plan: step ``step`` of ``epoch_len`` in ``epoch``."""
+    """Where a decoded batch sits in the plan: step ``step`` of ``epoch_len`` (None while a
+    following first pass grows) in ``epoch``; global batch ``batch``, ``repeat`` if it pads
+    the last round."""
 
     epoch: int
     step: int
-    epoch_len: int
+    epoch_len: int | None
+    batch: int = -1
+    repeat: bool = False
 
 
 def _planned_from(
-    cfg: PlanConfig,
-    num_tokens: np.ndarray,
-    segments: np.ndarray | None,
-    rank: int,
-    world_size: int,
+    spec: RankPlan,
+    first_pass: FirstPass | None,
     epoch: int,
+    start: int,
     step: int,
     tags: deque[_Tag],
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The rank's planned batches from ``(epoch, step)`` on, epoch after epoch.
+    stop: threading.Event,
+) -> Iterator[tuple[np.ndarray, np.ndarray] | object]:
+    """The rank's planned batches from ``(epoch, start, step)`` on, epoch after epoch.
 
     Runs on the fetcher's planning thread, so it takes plain values and never the Loader
     (a thread holding the Loader would keep it from being collected and closed). Each batch's
     tag is queued before the batch enters the fetcher, which keeps plan order, so the consumer
-    pops exactly one tag per batch. Stops before the first epoch that has no batches for this
-    rank: planning on would spin through empty epochs forever.
+    pops exactly one tag per batch. A following first pass yields ``follow.WAIT`` before it
+    waits for the dataset to grow. Stops before the first whole epoch that has no batches for
+    this rank: planning on would spin through empty epochs forever.
     """
+    cfg, rank, world = spec.config, spec.rank, spec.world_size
     while True:
-        plan = rank_plan(cfg, num_tokens, segments, epoch, rank, world_size)
-        if len(plan) == 0:
-            return
-        for j in range(step, len(plan)):
-            tags.append(_Tag(epoch, j, len(plan)))
-            yield plan.batch(j)
-        epoch, step = epoch + 1, 0
+        if first_pass is not None and epoch == 0:
+            for item in rank_steps(first_pass, rank, world, cfg.tail, start, step, stop):
+                if item is WAIT:
+                    yield WAIT
+                    continue
+                i, g, repeat = item  # type: ignore[misc]
+                total = first_pass.total
+                n = None if total is None else rank_len(total, rank, world, cfg.tail, start)
+                tags.append(_Tag(0, i, n, g, repeat))
+                yield first_pass.batch(g)
+            if stop.is_set():
+                return
+        else:
+            hi = first_pass.state.samples if first_pass is not None else None
+            src = spec.source
+            full = global_plan(cfg, src.num_tokens, src.segments, epoch, hi=hi)
+            ids = rank_batches(len(full), rank, world, cfg.tail, start)
+            if len(ids) == 0 and start == 0:
+                return
+            for j in range(step, len(ids)):
+                repeat = start + rank + j * world >= len(full)
+                tags.append(_Tag(epoch, j, len(ids), int(ids[j]), repeat))
+                yield full.batch(int(ids[j]))
+        epoch, start, step = epoch + 1, 0, 0
 
 
 class _Pipeline:
@@ -77,10 +102,17 @@ class _Pipeline:
     the last epoch this pipeline covers (None: it runs on until an empty epoch).
     """
 
-    def __init__(self, batches: Any, tags: deque[_Tag], last_epoch: int | None):
+    def __init__(
+        self,
+        batches: Any,
+        tags: deque[_Tag],
+        last_epoch: int | None,
+        stop: threading.Event | None = None,
+    ):
         self._batches, self._tags, self.last_epoch = batches, tags, last_epoch
         self._pending: tuple[_Tag, RawBatch] | None = None
         self.finished = False
+        self._stop = stop  # ends a planner waiting for a followed dataset to grow
 
     def covers(self, epoch: int) -> bool:
         return not self.finished and (self.last_epoch is None or epoch <= self.last_epoch)
@@ -106,6 +138,8 @@ class _Pipeline:
     def close(self) -> None:
         self.finished = True
         self._pending = None
+        if self._stop is not None:
+            self._stop.set()
         self._batches.close()
 
 
@@ -137,20 +171,29 @@ class Loader(PlannedEpochs):
         self.num_threads, self.prefetch, self.workers = num_threads, prefetch, workers
         self._ring: list[HostBuffers] | None = None  # allocated on first use, kept for good
         self._pipe: _Pipeline | None = None
-        self._pipe_pos: tuple[int, int] | None = None  # the position _pipe continues from
+        if workers and self.first_pass is not None:
+            raise ValueError("follow=True decodes with threads: use workers=0")
+        self._pipe_pos: tuple[int, int, int] | None = None  # the position _pipe continues from
         self._epoch_len: tuple[int, int] | None = None  # (epoch, batches), once seen in a tag
         self._owner: object | None = None  # the iterator currently delivering batches
+        # (epoch, global batch, repeat) of the batch delivered last: which of the epoch's
+        # batches it was, and whether it only pads the last round (see tail="pad").
+        self.last_batch: tuple[int, int, bool] | None = None
 
     # --- position ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version", "epoch", "step", "seed", "fingerprint"}``: batches delivered so far."""
+        """``{"version", "epoch", "step", "start", "world_size", "position", "seed",
+        "fingerprint"}`` (and ``"follow"`` when following): batches delivered so far."""
         return self._base_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue with exactly the batches the saving run had not delivered yet."""
-        self._check_state(state)
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        """Continue with exactly the batches the saving run had not delivered yet, at this
+        loader's world size (docs/LOADER.md, "Elastic resume")."""
+        self._restore(state)
+        self._epoch_len = None
+        if self.first_pass is not None:
+            self.close()  # the restored windows replace the pass the pipeline was planning
         self._release_if_moved()
 
     def set_epoch(self, epoch: int) -> None:
@@ -175,8 +218,11 @@ class Loader(PlannedEpochs):
 
     def _release_if_moved(self) -> None:
         """Batches decoded for another position are of no use: stop decoding them now."""
-        if self._pipe is not None and self._pipe_pos != (self.epoch, self.step):
+        if self._pipe is not None and self._pipe_pos != self._pos():
             self.close()
+
+    def _pos(self) -> tuple[int, int, int]:
+        return self.epoch, self.start, self.step
 
     # --- iteration -----------------------------------------------------------------------
 
@@ -201,7 +247,7 @@ class Loader(PlannedEpochs):
         # stops instead of stealing batches (and moving the position) behind its back.
         token = self._owner = object()
         while num_epochs is None or self.epoch < num_epochs:
-            epoch, started_at, delivered = self.epoch, self.step, 0
+            epoch, from_start, delivered = self.epoch, self._pos()[1:] == (0, 0), 0
             while not self._epoch_done():
                 pipe = self._pipeline()
                 try:
@@ -214,17 +260,19 @@ class Loader(PlannedEpochs):
                 assert tag.step == self.step, (tag, self.step)
                 raw = pipe.take()
                 self.step = tag.step + 1
-                self._pipe_pos = (epoch, self.step)
-                self._epoch_len = (epoch, tag.epoch_len)
+                self._pipe_pos = self._pos()
+                if tag.epoch_len is not None:
+                    self._epoch_len = (epoch, tag.epoch_len)
+                self.last_batch = (epoch, tag.batch, tag.repeat)
                 delivered += 1
                 yield as_eagle3(raw, self.choice)
                 if self._owner is not token:
                     return
-            in_sync = self._pipe_pos == (self.epoch, self.step)
-            self.epoch, self.step = epoch + 1, 0
+            in_sync = self._pipe_pos == self._pos()
+            self.epoch, self.start, self.step = epoch + 1, 0, 0
             if in_sync:  # the pipeline runs on into this epoch: keep it
-                self._pipe_pos = (self.epoch, 0)
-            if num_epochs is None and delivered == 0 and started_at == 0:
+                self._pipe_pos = self._pos()
+            if num_epochs is None and delivered == 0 and from_start:
                 raise BadInputError(
                     f"rank {self.rank} of {self.world_size} has no batches in epoch {epoch} "
                     "(empty dataset, or tail='drop' with fewer batches than ranks)",
@@ -239,14 +287,12 @@ class Loader(PlannedEpochs):
     def _pipeline(self) -> _Pipeline:
         """The live pipeline if it continues from the current position, else a fresh one."""
         pipe = self._pipe
-        if pipe is not None and (
-            self._pipe_pos != (self.epoch, self.step) or not pipe.covers(self.epoch)
-        ):
+        if pipe is not None and (self._pipe_pos != self._pos() or not pipe.covers(self.epoch)):
             self.close()
             pipe = None
         if pipe is None:
             pipe = self._pipe = self._start_pipeline()
-            self._pipe_pos = (self.epoch, self.step)
+            self._pipe_pos = self._pos()
         return pipe
 
     def _start_pipeline(self) -> _Pipeline:
@@ -258,15 +304,15 @@ class Loader(PlannedEpochs):
                 self._ring = BatchFetcher.make_ring(
                     self.source, self.choice, self.shape, self.prefetch, pin
                 )
+            stop = threading.Event()
             planned = _planned_from(
-                self.config,
-                self.source.num_tokens,
-                self.source.segments,
-                self.rank,
-                self.world_size,
+                self.rank_plan,
+                self.first_pass,
                 self.epoch,
+                self.start,
                 self.step,
                 tags,
+                stop,
             )
             host = BatchFetcher(
                 self.source,
@@ -283,12 +329,18 @@ class Loader(PlannedEpochs):
         else:
             # Worker processes iterate one epoch each (DataLoader's round robin over workers
             # is per epoch): the pipeline covers the current epoch only.
-            n = len(self.plan())
-            tags.extend(_Tag(self.epoch, j, n) for j in range(self.step, n))
+            stop = None
+            full, n = self.global_plan(self.epoch), len(self.plan())
+            ids = rank_batches(len(full), self.rank, self.world_size, self.config.tail, self.start)
+            tags.extend(
+                _Tag(self.epoch, j, n, int(ids[j]), self.start + self.rank + j * self.world_size
+                     >= len(full))
+                for j in range(self.step, n)
+            )  # fmt: skip
             host = _WorkerBatches(self, pin)
             last_epoch = self.epoch
         batches = host if self.device is None else DevicePrefetcher(host, self.device)
-        return _Pipeline(batches, tags, last_epoch)
+        return _Pipeline(batches, tags, last_epoch, stop)
 
 
 class _RawBatchStream(HiddenStateStream):
@@ -314,7 +366,7 @@ class _WorkerBatches:
             prefetch=loader.prefetch,
             reuse_buffers=False,
         )
-        stream.epoch, stream.step = loader.epoch, loader.step
+        stream.epoch, stream.start, stream.step = loader.epoch, loader.start, loader.step
         # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
         # its worker processes down, the way DataLoader documents for an iterator going away.
         self._dl: Iterator[RawBatch] | None = iter(

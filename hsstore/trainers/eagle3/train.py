@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hsstore.format.runs import completion
 from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
     load_drafter,
@@ -50,6 +51,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in the whole run")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--stop-after", type=int, help="save and exit after this many steps (job limit)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="train while the dataset is extracted: a first pass over samples as they are "
+        "committed, until the extraction records that it is complete",
+    )
+    p.add_argument(
+        "--follow-window",
+        type=int,
+        default=256,
+        help="with --follow: new samples that make a shuffled window of the first pass",
+    )
+    p.add_argument(
+        "--follow-timeout",
+        type=float,
+        default=None,
+        help="with --follow: give up after this many seconds without a new commit",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="stop at the end of this many epochs (with --follow the first pass is epoch 0; "
+        "default: --follow stops after the first pass, otherwise --steps decides)",
+    )
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per packed batch")
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step s: decay**s")
@@ -200,6 +226,22 @@ def split_layers(
     return [i for i in range(len(layers)) if i != deepest], deepest
 
 
+def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2):
+    """The dataset at ``path``, waiting for the extraction to create it (``--follow`` may start
+    with the extraction: its start-up then overlaps the extraction's)."""
+    import hsstore
+    from hsstore.errors import NotADatasetError
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            return hsstore.open(path)
+        except (NotADatasetError, FileNotFoundError):
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise
+            time.sleep(poll_s)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -236,7 +278,9 @@ def train(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
 
     # Dataset: which stored layers feed fc, which one is the target's last state.
-    ds = hsstore.open(args.data)
+    ds = (
+        wait_for_dataset(args.data, args.follow_timeout) if args.follow else hsstore.open(args.data)
+    )
     num_layers = ds.manifest.model.num_hidden_layers
     aux_pos, verifier_pos = split_layers(ds.layers, num_layers, need_last=bool(args.target))
     aux_specs = [ds.layers[i] for i in aux_pos]
@@ -310,6 +354,9 @@ def train(args: argparse.Namespace) -> dict:
         world_size=world,
         prefetch=args.prefetch,
         num_threads=args.num_threads,
+        follow=args.follow,
+        follow_window=args.follow_window,
+        follow_timeout_s=args.follow_timeout,
     )
     start_step = 0
     if ckpt is not None:
@@ -347,14 +394,29 @@ def train(args: argparse.Namespace) -> dict:
     history: list[dict] = []
     # One iterator across epochs, from the loader's (possibly restored) position: the loader
     # decodes the next epoch's first batches while this one's last steps train.
-    batches = loader.iter_epochs()
+    epochs = args.epochs if args.epochs is not None else (1 if args.follow else None)
+    batches = loader.iter_epochs(epochs)
+    if args.follow and master:
+        done = completion(ds.refresh().manifest.provenance)
+        print(
+            f"following {args.data} from version {loader.first_pass.state.start_version} "
+            f"({len(ds)} samples now; extraction {'complete' if done.complete else 'running'})",
+            flush=True,
+        )
     wait_total, run_start = 0.0, time.perf_counter()
+    first_batch_at = None  # wall clock (time.time), comparable with other processes' clocks
     stop = min(args.steps, start_step + args.stop_after) if args.stop_after else args.steps
     model.train()
     for step in range(start_step, stop):
         t0 = time.perf_counter()
-        batch = next(batches)
+        batch = next(batches, None)
         t1 = time.perf_counter()
+        if batch is None:  # the last epoch ended (every rank at the same step: tail="pad")
+            stop = step
+            break
+        if first_batch_at is None:
+            first_batch_at = time.time()
+        epoch, global_batch, repeat = loader.last_batch or (loader.epoch, -1, False)
         view = align_batch({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         aux = view["aux"] if use_bf16 else view["aux"].float()
         for group in optimizer.param_groups:
@@ -383,6 +445,9 @@ def train(args: argparse.Namespace) -> dict:
                 "wait": t1 - t0,
                 "time": t2 - t0,
                 "samples": batch["sample_index"].tolist() if "sample_index" in batch else None,
+                "epoch": epoch,
+                "batch": global_batch,  # of the epoch's global batch list
+                "repeat": repeat,  # a batch repeated to pad the epoch's last round
             }
         )
         if master and ((step + 1) % args.log_every == 0 or step + 1 == stop):
@@ -416,10 +481,14 @@ def train(args: argparse.Namespace) -> dict:
         "tokens_per_s": sum(h["tokens"] for h in history) / max(1e-9, elapsed),
         "steps": len(history),
         "first_step": start_step + 1,
+        "epoch": loader.epoch,
+        "first_batch_time": first_batch_at,
+        "extraction_complete": completion(ds.refresh().manifest.provenance).complete,
     }
     if args.samples_log:
         with open(f"{args.samples_log}.rank{rank}.json", "w") as f:
-            json.dump([{"step": h["step"], "samples": h["samples"]} for h in history], f)
+            keys = ("step", "samples", "epoch", "batch", "repeat")
+            json.dump([{k: h[k] for k in keys} for h in history], f)
     if world > 1:
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}

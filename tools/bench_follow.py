@@ -1,0 +1,143 @@
+"""Training while the extraction runs, against extracting first and training after.
+
+On the tiny random Llama (``hsstore.demo_model``), in one run, each way in its own processes:
+
+* sequential: ``hsstore extract`` over the prompt set, then, once it has finished, the
+  reference trainer for one epoch over the result;
+* following: the same extraction into a fresh dataset, and the trainer started with
+  ``--follow`` at the same time (it waits for the dataset to be created); it ends with its
+  first pass, when the extraction has recorded that it is complete.
+
+Both are timed from the start of the extraction to the end of the trainer's first pass
+(every sample trained on once), process start-up included. ``first_step_s``: from the start
+of the extraction to the following trainer's first batch. The two ways alternate over
+``--rounds`` rounds; the best of each is kept (a shared machine disturbs single runs).
+
+    python tools/bench_follow.py                 # 96 prompts, 2 rounds, about two minutes
+    python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
+
+The last line is machine-readable:
+    follow_wall_vs_sequential=0.58 first_step_s=9.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from hsstore.demo_model import build_tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = "from hsstore.cli import main; main()"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def write_prompts(path: Path, n: int) -> None:
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}: what follows {i * 7 % 97}?"},
+                {"role": "assistant", "content": f"the answer is {i * 7 % 97 + 1}, then more."},
+            ]
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def extract(model: Path, data: Path, out: Path, commit_every: int) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-c", CLI, "extract", "--no-progress", "--model", str(model),
+           "--data", str(data), "--out", str(out), "--batch-size", "4",
+           "--commit-every", str(commit_every), "--device", "cpu"]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def train(model: Path, data: Path, run: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", "--data", str(data),
+           "--target", str(model), "--out", str(run), "--steps", "100000", "--epochs", "1",
+           "--max-tokens", "256", "--ttt-steps", "3", "--draft-vocab-size", "256",
+           "--num-threads", "1", "--log-every", "100000", "--device", "cpu", *extra]  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"trainer failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def finish(proc: subprocess.Popen[str]) -> None:
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"extraction failed: {err[-2000:]}")
+
+
+def sequential(model: Path, prompts: Path, work: Path, commit_every: int) -> float:
+    out = work / "seq"
+    t0 = time.time()
+    finish(extract(model, prompts, out, commit_every))
+    summary = train(model, out, work / "seq-run")
+    wall = time.time() - t0
+    assert summary["steps"] > 0
+    return wall
+
+
+def following(
+    model: Path, prompts: Path, work: Path, commit_every: int, window: int
+) -> tuple[float, float, int]:
+    out = work / "follow"
+    t0 = time.time()
+    proc = extract(model, prompts, out, commit_every)
+    # Started with the extraction: it waits for the dataset to be created, then follows it.
+    summary = train(model, out, work / "follow-run", "--follow", "--follow-window", str(window))
+    wall = time.time() - t0
+    finish(proc)
+    if not summary["extraction_complete"]:
+        raise SystemExit("the following trainer ended before the extraction was complete")
+    return wall, summary["first_batch_time"] - t0, summary["steps"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--commit-every", type=int, default=8, help="extraction commits")
+    p.add_argument("--window", type=int, default=8, help="--follow-window of the trainer")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hsstore-bench-follow-"))
+    try:
+        model = build_tiny_model(work / "tiny")
+        prompts = work / "p.jsonl"
+        write_prompts(prompts, args.prompts)
+        seq, fol, first = [], [], []
+        for r in range(args.rounds):
+            for path in ("seq", "seq-run", "follow", "follow-run"):
+                shutil.rmtree(work / path, ignore_errors=True)
+            seq.append(sequential(model, prompts, work, args.commit_every))
+            wall, first_s, steps = following(model, prompts, work, args.commit_every, args.window)
+            fol.append(wall)
+            first.append(first_s)
+            print(
+                f"round {r}: sequential {seq[-1]:.1f} s, following {wall:.1f} s "
+                f"(first step after {first_s:.1f} s, {steps} steps)",
+                flush=True,
+            )
+        print(f"prompts {args.prompts}, best of {args.rounds}: sequential {min(seq):.1f} s, "
+              f"following {min(fol):.1f} s")  # fmt: skip
+        print(f"follow_wall_vs_sequential={min(fol) / min(seq):.2f} first_step_s={min(first):.1f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
