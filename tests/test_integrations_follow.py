@@ -88,7 +88,7 @@ def test_specforge_store_serves_a_following_plan(tmp_path):
     seen: Counter = Counter()
     for refs in store.planned_refs(sampler, run_id="run"):
         for ref in refs:
-            k = int(ref.metadata["file_index"])
+            k = int(ref.feature_store_uri.removeprefix("hsstore-sample://"))
             tensors, handle = store.get(ref)
             assert int(tensors["input_ids"].reshape(-1)[0]) == k
             store.release(handle)

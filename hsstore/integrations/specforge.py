@@ -106,7 +106,7 @@ class HsstoreFeatureStore(LocalFeatureStore):
                 self.ds.refresh()
                 by_index = {}
             if not by_index:
-                by_index = {int(r.metadata["file_index"]): r for r in self.refs(**ref_options)}
+                by_index = {_storage_position(r): r for r in self.refs(**ref_options)}
             yield [by_index[int(k)] for k in batch]
 
     def get(
@@ -119,10 +119,16 @@ class HsstoreFeatureStore(LocalFeatureStore):
         uri = sample_ref.feature_store_uri
         if not uri.startswith(URI_SCHEME):
             return super().get(sample_ref, device=device, names=names)
-        s = self.ds[int(uri[len(URI_SCHEME) :])]
+        s = self.ds[_storage_position(sample_ref)]
         feats = specforge_features(s.input_ids, s.loss_mask, s.dequantized(), self.norm)
         wanted = names or list(sample_ref.feature_keys)
         tensors = {n: feats[sample_ref.feature_keys.get(n, n)].to(device) for n in wanted}
         # A lease like a file:// ref's, so release() and gc() treat it the same way
         # (feature_store.py LocalFeatureStore._register_file_lease, ~line 462).
         return tensors, self._register_file_lease(sample_ref)
+
+
+def _storage_position(ref: SampleRef) -> int:
+    """The dataset position an ``hsstore-sample://K`` ref names (``file_index`` is the
+    position in SpecForge's reader order, which differs)."""
+    return int(ref.feature_store_uri[len(URI_SCHEME) :])
