@@ -38,9 +38,9 @@ ROWS = [
         ]
     },
 ]
-# bf16 kernels of two engines agree to bf16 rounding layer by layer (2^-8 per element); the
-# norm of the difference stays within a few of those over the tiny models' few layers
-BF16_REL_TOLERANCE = 0.04
+# what two bf16 computations of one dense layer stack may differ by beyond twice transformers'
+# own bf16-vs-fp32 distance (measured up to 0.024 on the tiny models: 2^-8 per element, summed)
+BF16_REL_TOLERANCE = 0.03
 
 
 def write_prompts(path: Path, rows: list[dict] = ROWS) -> Path:

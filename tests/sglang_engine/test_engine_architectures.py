@@ -14,7 +14,16 @@ import json
 import pytest
 import tiny_models
 import torch
-from lane import BF16_REL_TOLERANCE, ENGINE_ARGS, Reference, cli, compare, run_cli, write_prompts
+from lane import (
+    BF16_REL_TOLERANCE,
+    ENGINE_ARGS,
+    Reference,
+    cli,
+    compare,
+    rel_err,
+    run_cli,
+    write_prompts,
+)
 
 import hsstore
 from hsstore.extract.layer_select import eagle3_aux_layers, parse_layers
@@ -85,6 +94,9 @@ def test_fp32_default_layers_equal_transformers(fp32):
 
 
 def test_bf16_explicit_depths_within_rounding(bf16):
+    """Against transformers in fp32, SGLang's bf16 states are about as far as transformers' own
+    bf16 states are (on MoE layers bf16 rounding can change the experts a token is routed to,
+    so that distance grows with depth), and never as far as a neighbouring layer."""
     arch, model, out = bf16
     ds = hsstore.open(out)
     assert ds.dtype == torch.bfloat16
@@ -94,10 +106,17 @@ def test_bf16_explicit_depths_within_rounding(bf16):
         "after 5",
         f"after {N} +final_norm",
     ]
-    rows = compare(out, Reference(model, torch.bfloat16))
-    for r in rows:
-        assert r["rel_err"] < BF16_REL_TOLERANCE, (arch, r)
-        assert r["rel_err"] < 0.5 * r["next_layer_rel"], (arch, r)  # never a neighbour's state
+    ref32, ref16 = Reference(model, torch.float32), Reference(model, torch.bfloat16)
+    for sid in ds.sample_ids:
+        s = ds.get(sid)
+        (h32, head32), (h16, head16) = ref32.states(s.input_ids), ref16.states(s.input_ids)
+        for j, spec in enumerate(ds.layers):
+            exact, own = (head32, head16) if spec.final_norm else (h32[spec.depth], h16[spec.depth])
+            err, own_err = rel_err(s.hidden[:, j], exact), rel_err(own, exact)
+            assert err <= 2 * own_err + BF16_REL_TOLERANCE, (arch, spec.label, err, own_err)
+            if not spec.final_norm:
+                nearest = min(rel_err(h32[d], exact) for d in (spec.depth - 1, spec.depth + 1))
+                assert err < 0.5 * nearest, (arch, spec.label, err, nearest)
 
 
 @pytest.mark.parametrize("layers", ["eagle3", "1,4,5"])

@@ -74,8 +74,10 @@ def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
             time.sleep(0.2)
         workers = workers_of(parent)
         assert len(workers) == 2, proc.communicate()[1][-2000:]
-        time.sleep(3)  # the victim is inside its engine start, the other worker goes on
         victim = workers[0]
+        # kill it once its engine's processes exist: the other worker goes on meanwhile
+        while not victim.children(recursive=True) and time.monotonic() < deadline + 180:
+            time.sleep(0.2)
         engine_procs = victim.children(recursive=True)
         assert engine_procs, "the worker started no engine process"
         victim.send_signal(signal.SIGKILL)
