@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` runs the built-in example, `make test` runs the
-# linter and the test suite (what CI runs). Each creates .venv on first use.
+# linter, the test suite and the SGLang lane (what CI runs). Each creates .venv on first use; the
+# lane builds its own environment once (scripts/sglang_env.sh).
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
@@ -21,6 +22,7 @@ test: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 	bash scripts/test_transformers_versions.sh
+	bash scripts/test_sglang_lane.sh
 
 # The top-level schemas/ is the published copy and the one to edit; the code reads the copy
 # inside the package (tests/test_packaging.py fails until this is run after an edit).

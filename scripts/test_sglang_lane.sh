@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The SGLang lane of `make test`: the real sglang 0.5.23 engine on CPU, in its own cached
+# environment (scripts/sglang_env.sh), over tests/sglang_engine/. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV_DIR=$(bash scripts/sglang_env.sh)
+# tests/sglang_wheel.py reads the wheel's sources; scripts/install.sh downloads it
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$ENV_DIR/bin/python" -m pytest tests/sglang_engine -p no:cacheprovider -o timeout=900 "$@"
