@@ -306,6 +306,8 @@ class SGLangBackend:
         self.capture_dir = make_capture_dir() if self.capture == "shm" else None
         self._rid_prefix = f"hsstore-{uuid.uuid4().hex[:12]}-"
         self._rids = itertools.count()
+        # bytes captured, the scheduler's write_s and this worker's read_s (tools/bench_sglang.py)
+        self.capture_stats: dict[str, float] = {}
         self.engine = None
         factory = engine_factory or _default_engine_factory
         try:
@@ -375,6 +377,7 @@ class SGLangBackend:
                     hidden_size=self.hidden_size,
                     dtype=self.dtype,
                     sample_id=p.sample_id,
+                    stats=self.capture_stats,
                 )
             )
         return out

@@ -26,6 +26,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,28 +61,30 @@ def write_capture(
     rows = int(blocks[0].shape[0]) if blocks else 0
     hidden = int(blocks[0].shape[1]) if blocks else 0
     dtype = blocks[0].dtype if blocks else torch.float32
-    header = {
-        "rid": rid,
-        "prefix": int(prefix),
-        "rows": rows,
-        "layers": len(blocks),
-        "hidden": hidden,
-        "dtype": _dtype_name(dtype),
-        "problem": problem,
-        "width": width,
-    }
-    raw = json.dumps(header).encode()
-    if len(raw) > HEADER_BYTES:
-        raise ValueError(f"capture header of {len(raw)} bytes is over {HEADER_BYTES}")
     payload = 0 if problem else rows * len(blocks) * hidden * dtype.itemsize
     final = os.path.join(directory, file_name(rid, prefix))
     tmp = final + ".tmp"
+    t0 = time.perf_counter()
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, HEADER_BYTES + payload)
-        os.pwrite(fd, raw, 0)
         if payload:
             _fill(fd, HEADER_BYTES + payload, blocks, rows, hidden, dtype)
+        header = {
+            "rid": rid,
+            "prefix": int(prefix),
+            "rows": rows,
+            "layers": len(blocks),
+            "hidden": hidden,
+            "dtype": _dtype_name(dtype),
+            "problem": problem,
+            "width": width,
+            "write_s": time.perf_counter() - t0,
+        }
+        raw = json.dumps(header).encode()
+        if len(raw) > HEADER_BYTES:
+            raise ValueError(f"capture header of {len(raw)} bytes is over {HEADER_BYTES}")
+        os.pwrite(fd, raw, 0)
     finally:
         os.close(fd)
     os.rename(tmp, final)
@@ -117,6 +120,7 @@ class Capture:
     dtype: str
     problem: str | None
     width: int | None
+    write_s: float  # the scheduler's time to write it, mapping and copy included
     states: torch.Tensor | None
 
 
@@ -158,6 +162,7 @@ def _read(path: str) -> Capture:
         dtype=header["dtype"],
         problem=header.get("problem"),
         width=header.get("width"),
+        write_s=float(header.get("write_s", 0.0)),
         states=states,
     )
 

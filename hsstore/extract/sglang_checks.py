@@ -9,6 +9,7 @@ name the sample.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -69,8 +70,13 @@ def states_from_captures(
     hidden_size: int,
     dtype: torch.dtype,
     sample_id: str,
+    stats: dict[str, float] | None = None,
 ) -> torch.Tensor:
-    """The ``[T, layers, H]`` states the hook wrote for request ``rid``, or a loud error."""
+    """The ``[T, layers, H]`` states the hook wrote for request ``rid``, or a loud error.
+
+    ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and this side's
+    ``read_s`` (mapping and the finiteness check)."""
+    t0 = time.perf_counter()
     caps: list[Capture] = captures_of(directory, rid)
     if not caps:
         raise _fail(
@@ -103,6 +109,10 @@ def states_from_captures(
     assert states is not None
     if not _finite(states):
         raise _fail(sample_id, "non-finite values in hidden_states")
+    if stats is not None:
+        stats["bytes"] = stats.get("bytes", 0) + states.numel() * states.element_size()
+        stats["write_s"] = stats.get("write_s", 0.0) + first.write_s
+        stats["read_s"] = stats.get("read_s", 0.0) + time.perf_counter() - t0
     return states
 
 
