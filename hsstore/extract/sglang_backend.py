@@ -112,16 +112,11 @@ class CapturePlan:
     aux_ids: list[int]
     captured_depths: list[int]
     slots: list[int | None]
+    layout: list[int]  # for each stored layer position, the block it comes from
 
     @property
     def blocks(self) -> int:
         return len(self.captured_depths) + 1
-
-    @property
-    def layout(self) -> list[int]:
-        """For each stored layer position, the block it comes from."""
-        out: dict[int, int] = {slot: j for j, slot in enumerate(self.slots) if slot is not None}
-        return [out[pos] for pos in range(len(out))]
 
 
 def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> CapturePlan:
@@ -129,8 +124,6 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
     n = num_hidden_layers
     wanted: dict[int, int] = {}
     final_slot: int | None = None
-    if len(set(layers)) != len(layers):
-        raise BadInputError("the sglang backend stores each layer once; a layer is listed twice")
     for pos, spec in enumerate(layers):
         if spec.final_norm and spec.depth == n:
             final_slot = pos
@@ -158,7 +151,8 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
     captured = sorted(depths)
     aux_ids = [ANCHOR_ID] + [d - 1 for d in captured if d - 1 != ANCHOR_ID]
     slots = [wanted.get(d) for d in captured] + [final_slot]
-    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots)
+    layout = [len(captured) if s.depth == n else captured.index(s.depth) for s in layers]
+    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots, layout=layout)
 
 
 def engine_kwargs(
