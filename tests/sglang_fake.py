@@ -4,10 +4,14 @@ SGLang needs a GPU and is not installed here. ``FakeSGLangEngine`` takes the sam
 arguments (every name must be a ServerArgs field of the wheel), applies the capture rule of the
 model class it is told to be (``architecture``), executed from that class's own
 ``set_eagle3_layers_to_capture`` in the wheel (:mod:`sglang_wheel`), computes the states with the
-tiny HF model, fills a logits-processor output the way ``layers/logits_processor.py`` does with
-aux capture on (packed aux states + ``last_hidden_states``), runs the ``forward_hooks`` it was
-given exactly as ``model_executor/hook_manager.py`` resolves and calls them, and answers with
-``meta_info`` shaped as ``managers/tokenizer_manager.py`` builds it.
+tiny HF model, fills a logits-processor output for the whole packed batch the way
+``layers/logits_processor.py`` does with aux capture on (packed aux states +
+``last_hidden_states``, FULL mode for every forward), runs the ``forward_hooks`` it was given
+exactly as ``model_executor/hook_manager.py`` resolves and calls them, with the positional
+arguments a model passes its logits processor (``models/llama.py``: input ids, final state, LM
+head, ``ForwardBatch``, aux states), and answers with ``meta_info`` shaped as
+``managers/tokenizer_manager.py`` builds it: hidden states as nested lists only for requests
+that asked for them (``batch_result_processor.py`` ``_append_prefill_hidden_states``).
 
 It is importable by module name so spawned extraction workers can unpickle it, and it counts
 its constructions and forwards in a file (workers are other processes).
@@ -64,6 +68,26 @@ class LogitsOutput:
     last_hidden_states: torch.Tensor | None
 
 
+class ForwardMode:
+    """``model_executor/forward_batch_info.py`` ForwardMode, the one method the hook calls."""
+
+    def __init__(self, extend: bool):
+        self.extend = extend
+
+    def is_extend(self) -> bool:
+        return self.extend
+
+
+@dataclass
+class ForwardBatch:
+    """The ForwardBatch fields hsstore's hook reads (``forward_batch_info.py``)."""
+
+    forward_mode: ForwardMode
+    rids: list[str]
+    extend_seq_lens_cpu: list[int] | None
+    extend_prefix_lens_cpu: list[int] | None
+
+
 class FakeSGLangEngine:
     def __init__(
         self,
@@ -84,6 +108,7 @@ class FakeSGLangEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             server_args["model_path"], dtype=torch.float32
         ).eval()
+        self.dtype = getattr(torch, server_args.get("dtype", "float32"))
         n = self.model.config.num_hidden_layers
         # arg_groups/validation_hook.py handle_aux_hidden_state_capture
         assert server_args.get("enable_return_aux_hidden_states") is True
@@ -125,47 +150,94 @@ class FakeSGLangEngine:
             os.kill(os.getpid(), signal.SIGKILL)
 
     @torch.inference_mode()
-    def generate(self, *, input_ids, sampling_params, return_hidden_states):
-        assert sampling_params["max_new_tokens"] == 1 and return_hidden_states is True
+    def generate(self, *, input_ids, sampling_params, return_hidden_states=False, rid=None):
+        assert sampling_params["max_new_tokens"] == 1
         self._count("forward")
         die = self.faults.get("die_once_file")
         if die and not Path(die).exists():
             Path(die).write_text("died\n")
             os._exit(17)
-        responses = []
+        rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
+        assert len(set(rids)) == len(rids) == len(input_ids)  # io_struct.py rid uniqueness
+        aux, final = [], []
         for ids in input_ids:
-            out = self.model.model(
-                input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
+            a, f = self._states(ids)
+            aux.append(a)
+            final.append(f)
+        # a chunked prefill computes the truncated request's last rows in a second forward
+        cut = self.faults.get("truncate_rows")
+        chunk = [
+            i
+            for i, ids in enumerate(input_ids)
+            if cut and len(ids) == self.faults.get("truncate_len", len(ids))
+        ]
+        lens = [len(ids) - (cut if i in chunk else 0) for i, ids in enumerate(input_ids)]
+        first = self._forward(
+            rids,
+            lens,
+            [0] * len(rids),
+            [a[:n] for a, n in zip(aux, lens)],
+            [f[:n] for f, n in zip(final, lens)],
+        )
+        if chunk:
+            self._forward(
+                [rids[i] for i in chunk],
+                [cut] * len(chunk),
+                [lens[i] for i in chunk],
+                [aux[i][lens[i] :] for i in chunk],
+                [final[i][lens[i] :] for i in chunk],
             )
-            hs = out.hidden_states  # hs[i] = residual entering layer i; hs[N] = normed final
-            aux = torch.cat([hs[i][0] for i in self.capture], dim=-1)
-            final = out.last_hidden_state[0]
-            if self.faults.get("prenorm_instead_of_aux"):
-                aux = hs[-2][0]  # _get_hidden_states_to_store prefers hidden_states_before_norm
-            output = LogitsOutput(hidden_states=aux, last_hidden_states=final)
-            for hook in self.hooks:
-                hook(None, (), output)
-            responses.append(self._response(ids, output.hidden_states))
+        self._forward(rids, [1] * len(rids), [len(i) for i in input_ids], None, None, decode=True)
+        offsets = [sum(lens[:i]) for i in range(len(lens))]
+        responses = []
+        for i, ids in enumerate(input_ids):
+            rows = None
+            if return_hidden_states:  # the scheduler's list path, for this request only
+                rows = first.hidden_states[offsets[i] : offsets[i] + lens[i]]
+            responses.append(self._response(rids[i], ids, rows))
         if self.faults.get("drop_response"):
             responses.pop()
         return responses
 
-    def _response(self, ids, rows: torch.Tensor) -> dict:
-        nested = rows.tolist()
+    def _states(self, ids):
+        """(packed aux captures [T, K*H], final state [T, H]) of one prompt."""
+        out = self.model.model(
+            input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
+        )
+        hs = out.hidden_states  # hs[i] = residual entering layer i; hs[N] = normed final
+        aux = torch.cat([hs[i][0] for i in self.capture], dim=-1)
+        final = out.last_hidden_state[0]
+        if self.faults.get("prenorm_instead_of_aux"):
+            aux = hs[-2][0]  # _get_hidden_states_to_store prefers hidden_states_before_norm
+        return aux.to(self.dtype), final.to(self.dtype)
+
+    def _forward(self, rids, lens, prefixes, aux, final, decode=False):
+        """One packed forward's logits-processor output, with the hooks run on it."""
+        if decode:  # the decode step after prefill: nothing packed, FULL mode all the same
+            output = LogitsOutput(hidden_states=None, last_hidden_states=None)
+            batch = ForwardBatch(ForwardMode(False), rids, None, None)
+        else:
+            output = LogitsOutput(hidden_states=torch.cat(aux), last_hidden_states=torch.cat(final))
+            batch = ForwardBatch(ForwardMode(True), rids, list(lens), list(prefixes))
+        ids = torch.zeros(sum(lens), dtype=torch.int64)
+        args = (ids, output.last_hidden_states, None, batch, None)
+        for hook in self.hooks:
+            hook(None, args, output)
+        return output
+
+    def _response(self, rid, ids, rows: torch.Tensor | None) -> dict:
         meta = {
-            "id": uuid.uuid4().hex,
+            "id": rid,
             "finish_reason": {"type": "length", "length": 1},
             "prompt_tokens": len(ids),
             "weight_version": "default",
             "num_retractions": 0,
             "reasoning_tokens": 0,
             "completion_tokens": 1,
-            "cached_tokens": 0,
-            "hidden_states": [nested],
+            "cached_tokens": self.faults.get("cached_tokens", 0),
         }
-        cut = self.faults.get("truncate_rows")
-        if cut and len(ids) == self.faults.get("truncate_len", len(ids)):
-            meta["hidden_states"] = [nested[:-cut]]  # what chunked prefill / a cache hit gives
+        if rows is not None:
+            meta["hidden_states"] = [rows.float().tolist()]
         return {"output_ids": [0], "meta_info": meta}
 
 

@@ -370,3 +370,69 @@ def test_cli_check_against_on_cpu(tiny, prompts, tmp_path):
     assert result.exit_code == 0, result.output
     assert "check against transformers on 2 samples: OK" in result.output
     assert "max relative error 0," in result.output
+
+
+def test_states_travel_as_tensors_in_the_engine_dtype_and_leave_nothing_behind(tiny):
+    import os
+
+    layers = [LayerSpec(3), LayerSpec(N, final_norm=True), LayerSpec(2)]
+    batch = batch_of(tiny, 3)
+    backend = SGLangBackend(str(tiny), layers, engine_factory=factory(), dtype="bfloat16")
+    directory = backend.capture_dir
+    try:
+        got = backend.run(batch)
+        assert os.listdir(directory) == []  # every capture unlinked once mapped
+        assert backend.capture_stats["bytes"] == sum(g.numel() * 2 for g in got)
+    finally:
+        backend.close()
+    assert not os.path.exists(directory)
+    want = hf_states(tiny, batch, layers)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2)
+
+
+def test_list_fallback_warns_and_stores_the_same(tiny, every_depth):
+    batch, all_states = every_depth
+    layers = [LayerSpec(2), LayerSpec(4), LayerSpec(N, final_norm=True)]
+    with pytest.warns(UserWarning, match="Python lists"):
+        backend = SGLangBackend(
+            str(tiny), layers, engine_factory=factory(), dtype="float32", capture="lists"
+        )
+    try:
+        got = backend.run(batch)
+    finally:
+        backend.close()
+    for g, w in zip(got, all_states):
+        torch.testing.assert_close(g, w[:, [1, 3, N - 1]], rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_cache_hit_is_refused(tiny):
+    backend = SGLangBackend(
+        str(tiny), [LayerSpec(2)], engine_factory=factory(faults={"cached_tokens": 2})
+    )
+    try:
+        with pytest.raises(SGLangResponseError, match="prefix cache"):
+            backend.run(batch_of(tiny, 1))
+    finally:
+        backend.close()
+
+
+def test_cpu_memory_fraction_is_positive_and_refuses_what_cannot_fit(tiny):
+    from transformers import AutoConfig
+
+    from hsstore.extract.sglang_memory import cpu_mem_fraction
+
+    config = AutoConfig.from_pretrained(tiny)
+    gib = 1 << 30
+    kw = dict(checkpoint_dtype="float32", dtype="bfloat16")
+    small = cpu_mem_fraction(str(tiny), config, available=20 * gib, **kw)
+    assert 0.0 < small < 0.1
+    with pytest.raises(BadInputError, match="GiB is free"):
+        cpu_mem_fraction(str(tiny), config, available=gib, **kw)
+    backend = SGLangBackend(str(tiny), [LayerSpec(2)], engine_factory=factory(), device="cpu")
+    try:
+        assert 0.0 < backend.engine.args["mem_fraction_static"] <= 0.9
+        assert backend.engine.args["attention_backend"] == "torch_native"
+    finally:
+        backend.close()

@@ -131,16 +131,135 @@ def test_the_final_state_mechanism_still_holds_in_the_wheel():
     assert "register_forward_hooks(model_runner.model, get_observability().forward_hooks)" in setup
 
 
-def test_hook_appends_the_final_state_or_leaves_the_output_alone():
+def test_the_capture_path_still_holds_in_the_wheel():
+    """The premises of states handed over as tensors, never lists (paths inside sglang/srt/)."""
+    with zipfile.ZipFile(find_wheel()) as zf:
+
+        def src(path: str) -> str:
+            return zf.read(f"sglang/srt/{path}").decode()
+
+        serving = src("arg_groups/serving_hook.py")
+        batch_info = src("model_executor/forward_batch_info.py")
+        results = src("managers/scheduler_components/batch_result_processor.py")
+        utils = src("managers/utils.py")
+        scheduler = src("managers/scheduler.py")
+        logits = src("layers/logits_processor.py")
+        engine = src("entrypoints/engine.py")
+        parallel = src("distributed/parallel_state.py")
+        parallel_init = src("distributed/__init__.py")
+    # aux capture makes every forward capture in FULL mode, whatever the requests ask
+    assert "if cfg.enable_return_hidden_states or cfg.enable_return_aux_hidden_states:" in serving
+    assert 'return_hidden_states_mode="full",' in serving
+    assert (
+        "batch.return_hidden_states_mode,\n                    get_server_return_hidden_states_mode(),"
+        in batch_info
+    )
+    # a request that asks for no states gets no lists and no device-to-host copy
+    assert "if not store or not req.return_hidden_states:" in results
+    assert "req.hidden_states.append(req_hidden_states.cpu().clone().tolist())" in results
+    assert "if return_hidden_states and self.logits_output.hidden_states is not None:" in utils
+    assert scheduler.count("return_hidden_states=batch.return_hidden_states,") >= 3
+    # what the hook reads: the batch layout on ForwardBatch, the states on the output
+    for field in (
+        "rids: Optional[List[str]] = None",
+        "extend_prefix_lens_cpu: Optional[List[int]] = None",
+        "extend_seq_lens_cpu: Optional[List[int]] = None",
+        "rids=[req.rid for req in batch.reqs],",
+        "def is_extend(self",
+    ):
+        assert field in batch_info, field
+    assert "logits_metadata: Union[LogitsMetadata, ForwardBatch]," in logits
+    assert "hidden_states_to_store = pack_aux_hidden_states(aux_hidden_states)" in logits
+    # hsstore's request ids reach the scheduler; TP rank 0 is known to every worker
+    assert "rid: Optional[Union[List[str], str]] = None," in engine
+    assert "def get_tensor_model_parallel_rank()" in parallel
+    assert "from sglang.srt.distributed.parallel_state import *" in parallel_init or (
+        "get_tensor_model_parallel_rank" in parallel_init
+    )
+
+
+def test_every_capturing_model_hands_its_logits_processor_the_forward_batch(models):
+    """The hook finds the ForwardBatch among the positional arguments of the logits processor
+    (forward hooks see no keyword arguments): every call in a model file that captures aux
+    states passes at least input ids, states, LM head and the batch positionally."""
+    import ast
+
+    calls = 0
+    for module, source in models.sources.items():
+        if "aux_hidden_states" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "logits_processor"
+            ):
+                calls += 1
+                assert len(node.args) >= 4, f"{module}.py:{node.lineno}"
+    assert calls > 40  # 59 in 0.5.23
+
+
+def test_capture_hook_writes_stored_layers_and_names_problems(tmp_path):
+    import torch
+    from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput
+
+    from hsstore.extract.sglang_capture import captures_of
+    from hsstore.extract.sglang_hook import capture_hook
+
+    h = 4
+    config = {
+        "mode": "shm",
+        "aux_width": 2 * h,
+        "hidden_size": h,
+        "layout": [2, 0],  # stored: final, then the first aux block
+        "dir": str(tmp_path),
+        "rid_prefix": "hs-",
+    }
+    hook = capture_hook(config)
+    aux, last = torch.randn(5, 2 * h), torch.randn(5, h)
+    batch = ForwardBatch(ForwardMode(True), ["hs-a", "other", "hs-b"], [2, 1, 2], [0, 0, 0])
+    hook(None, (None, last, None, batch), LogitsOutput(aux, last))
+    (a,) = captures_of(str(tmp_path), "hs-a")
+    (b,) = captures_of(str(tmp_path), "hs-b")
+    assert torch.equal(a.states, torch.stack([last[:2], aux[:2, :h]], dim=1))
+    assert torch.equal(b.states, torch.stack([last[3:], aux[3:, :h]], dim=1))
+    assert captures_of(str(tmp_path), "other") == [] and list(tmp_path.iterdir()) == []
+    # a pre-norm state in place of the aux ones: a header naming it, no states
+    hook(None, (None, last, None, batch), LogitsOutput(torch.randn(5, h), last))
+    (bad,) = captures_of(str(tmp_path), "hs-a")
+    assert bad.states is None and bad.width == h and "width 4, expected 8" in bad.problem
+    assert captures_of(str(tmp_path), "hs-b")[0].problem == bad.problem
+    # decode forwards and other ranks write nothing
+    decode = ForwardBatch(ForwardMode(False), ["hs-a"], None, None)
+    hook(None, (None, last, None, decode), LogitsOutput(aux, last))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_capture_hook_writes_on_tp_rank_0_only(tmp_path, monkeypatch):
+    import torch
+    from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput
+
+    from hsstore.extract import sglang_hook
+
+    monkeypatch.setattr(sglang_hook, "_tp_rank", lambda: 1)
+    config = {"mode": "shm", "aux_width": 4, "hidden_size": 4, "layout": [0, 1]}
+    hook = sglang_hook.capture_hook({**config, "dir": str(tmp_path), "rid_prefix": "hs-"})
+    batch = ForwardBatch(ForwardMode(True), ["hs-a"], [3], [0])
+    out = LogitsOutput(torch.randn(3, 4), torch.randn(3, 4))
+    hook(None, (None, None, None, batch), out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_append_hook_of_the_list_fallback():
     import torch
 
-    from hsstore.extract.sglang_hook import final_state_hook
+    from hsstore.extract.sglang_hook import capture_hook
 
     class Output:
         def __init__(self, aux, last):
             self.hidden_states, self.last_hidden_states = aux, last
 
-    hook = final_state_hook({"aux_width": 8})
+    hook = capture_hook({"mode": "append", "aux_width": 8})
     aux, last = torch.randn(3, 8), torch.randn(3, 4)
     out = Output(aux, last)
     hook(None, (), out)

@@ -122,7 +122,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         import importlib.util
 
         if importlib.util.find_spec("sglang") is None:
-            raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]' (GPU only)")
+            raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
     config = _load_config(opts.model, opts.trust_remote_code)
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
     layers = parse_layers(opts.layers, n)

@@ -1,18 +1,29 @@
-"""Hidden states from SGLang's offline ``Engine`` (GPU only; ``pip install '.[sglang]'``).
+"""Hidden states from SGLang's offline ``Engine``, on GPU or CPU (``pip install '.[sglang]'``).
 
 How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``):
 
 * **One engine, one forward per batch.** The engine runs with
   ``enable_return_aux_hidden_states=True`` + ``speculative_algorithm="EAGLE3"`` (capture only,
   no draft: ``arg_groups/validation_hook.py`` ``handle_aux_hidden_state_capture``) and explicit
-  ``return_aux_hidden_state_layer_ids``. With aux capture on, the logits processor keeps the
-  state it feeds the LM head as ``last_hidden_states`` next to the aux states
-  (``layers/logits_processor.py`` ``_get_last_hidden_states_to_store``), but the response only
-  carries ``hidden_states``. A forward hook, attached through SGLang's own ``forward_hooks``
-  server argument (``model_executor/hook_manager.py``), appends that final state to the aux
-  rows (:mod:`hsstore.extract.sglang_hook`), so one response holds ``[T, (K+1)*H]``: the K aux
-  captures in ascending layer order, then the final state. Hooks only run on the eager path,
-  so prefill (and decode) CUDA graphs are disabled; ``max_new_tokens=1`` never decodes.
+  ``return_aux_hidden_state_layer_ids``. With aux capture on, every forward captures in FULL
+  mode (``arg_groups/serving_hook.py`` ``handle_return_hidden_states_mode``) and the logits
+  processor keeps the state it feeds the LM head as ``last_hidden_states`` next to the aux
+  states (``layers/logits_processor.py`` ``_get_last_hidden_states_to_store``).
+* **States travel as tensors.** A forward hook, attached through SGLang's own
+  ``forward_hooks`` server argument (``model_executor/hook_manager.py``), copies each hsstore
+  request's rows, aux captures and final state, from the logits processor's output into a
+  capture file in shared memory that this worker owns (:mod:`hsstore.extract.sglang_hook`,
+  :mod:`hsstore.extract.sglang_capture`), keyed by the request id hsstore chose. Requests ask
+  for no hidden states, so the response is a small receipt (token counts, finish reason) and
+  the scheduler builds no Python lists. The worker maps the file and hands its pages to the
+  writer as a ``[T, L, H]`` tensor in the engine's dtype: one copy of a sample's states in host
+  memory, none on the way. With tensor parallelism only TP rank 0 writes (every rank holds the
+  full residual stream). ``capture="lists"`` (or ``HSSTORE_SGLANG_CAPTURE=lists``) keeps
+  SGLang's own ``return_hidden_states`` path as a fallback, with a warning: the scheduler turns
+  every value into a Python float (``managers/scheduler_components/batch_result_processor.py``
+  ``_append_prefill_hidden_states``), which bounds extraction by one host core.
+  Hooks only run on the eager path, so prefill (and decode) CUDA graphs are disabled;
+  ``max_new_tokens=1`` never decodes.
 * **Layer ids right by construction.** Model classes disagree on what an id means
   (``models/llama.py`` captures layer ``id + 1``; ``models/deepseek_v2.py``, which Kimi-K2.5,
   GLM-5 and Mistral Large 3 inherit, adds 1 only when the first id is 1; ``models/gpt_oss.py``
@@ -20,18 +31,23 @@ How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``)
   1 and stays below N, so the ids sent are always ``[1, ...]`` (depth 2 first) and a capture
   that was not asked for is dropped. At least two aux layers are always captured so that a
   model which returns its pre-norm state in place of the aux states (``_get_hidden_states_to_
-  store`` prefers ``hidden_states_before_norm``) gives a response of the wrong width, which is
+  store`` prefers ``hidden_states_before_norm``) gives states of the wrong width, which are
   refused, never stored. tests/test_extract_sglang_contract.py checks this for every model
   class of the wheel.
 * **Norm semantics.** ``final`` is the tensor the model hands its logits processor to project
   with the LM head (after the final norm); ``final-prenorm`` and depth 0 have no SGLang capture
   and are refused up front.
 * Radix cache off and ``chunked_prefill_size=-1``: a prefix-cache hit or a chunked prefill
-  returns fewer rows than prompt tokens. Every response is checked (prompt_tokens,
-  cached_tokens == 0, T rows of the expected width) and anything else raises, naming the sample.
+  computes fewer rows than prompt tokens in a forward. Every request is checked (prompt_tokens,
+  cached_tokens == 0, T rows of the expected width from one forward with no prefix) and
+  anything else raises, naming the sample (:mod:`hsstore.extract.sglang_checks`).
 * **One engine per process.** ``Engine.shutdown`` kills every child of its process
   (``entrypoints/engine.py``), so the runner always runs this backend in a spawned worker
   process and never in the parent (see :mod:`hsstore.extract.runner`).
+* **CPU.** ``device="cpu"`` runs SGLang's CPU engine (set ``SGLANG_USE_CPU_ENGINE=1`` and use
+  ``attention_backend="torch_native"``): the cheap way to validate a model family before renting
+  GPUs. SGLang's default memory fraction is negative there, so hsstore computes one
+  (:mod:`hsstore.extract.sglang_memory`).
 
 The engine is created through ``engine_factory`` so tests can pass a fake that answers in
 SGLang's response shapes; by default it is ``sglang.Engine``.
@@ -39,30 +55,48 @@ SGLang's response shapes; by default it is ``sglang.Engine``.
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
+import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from hsstore.errors import BadInputError, HsstoreError
+from hsstore.errors import BadInputError
 from hsstore.extract.chat_tokens import TokenizedPrompt
+from hsstore.extract.sglang_capture import make_capture_dir
+from hsstore.extract.sglang_checks import (
+    SGLangResponseError,
+    check_meta,
+    rows_from_response,
+    states_from_captures,
+)
+from hsstore.extract.sglang_memory import cpu_mem_fraction
 from hsstore.format.layers import LayerSpec
+
+__all__ = [
+    "SGLangBackend",
+    "SGLangResponseError",
+    "check_sglang_version",
+    "engine_kwargs",
+    "plan_capture",
+    "rows_from_response",
+]
 
 # Versions whose sources this adapter was checked against (docs/EXTRACT.md). Others are refused
 # unless HSSTORE_SGLANG_UNTESTED=1, after validating with --check-against transformers.
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "HSSTORE_SGLANG_UNTESTED"
-HOOK_FACTORY = "hsstore.extract.sglang_hook:final_state_hook"
+CAPTURE_ENV = "HSSTORE_SGLANG_CAPTURE"
+CAPTURE_MODES = ("shm", "lists")
+HOOK_FACTORY = "hsstore.extract.sglang_hook:capture_hook"
 # The id every capture list starts with: under each rule in the wheel, a list that starts with 1
 # (and stays below N) captures the residual entering layer id + 1.
 ANCHOR_ID = 1
-
-
-class SGLangResponseError(HsstoreError):
-    """SGLang answered, but not with one full row of hidden states per prompt token."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +104,7 @@ class CapturePlan:
     """What to ask SGLang for and where each returned block goes.
 
     ``aux_ids`` is sent as ``return_aux_hidden_state_layer_ids``; SGLang returns one block per
-    captured depth in ascending order (``captured_depths``), then the hook's final state.
+    captured depth in ascending order (``captured_depths``), then the final state.
     ``slots[j]`` is the stored layer position of block j (the last block is the final state),
     or None for a block captured only to make the ids rule-independent.
     """
@@ -78,6 +112,7 @@ class CapturePlan:
     aux_ids: list[int]
     captured_depths: list[int]
     slots: list[int | None]
+    layout: list[int]  # for each stored layer position, the block it comes from
 
     @property
     def blocks(self) -> int:
@@ -116,62 +151,8 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
     captured = sorted(depths)
     aux_ids = [ANCHOR_ID] + [d - 1 for d in captured if d - 1 != ANCHOR_ID]
     slots = [wanted.get(d) for d in captured] + [final_slot]
-    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots)
-
-
-def rows_from_response(
-    response: Any, *, num_tokens: int, width: int, sample_id: str, hidden_size: int | None = None
-) -> torch.Tensor:
-    """One SGLang response -> a float32 ``[num_tokens, width]`` tensor, or a loud error.
-
-    ``meta_info["hidden_states"]`` is a list with one entry per forward the request took part
-    in: the prefill entry is ``[T][width]`` nested lists; with ``max_new_tokens=1`` no decode
-    entry follows, and any that do are ignored.
-    """
-
-    def fail(msg: str) -> SGLangResponseError:
-        return SGLangResponseError(f"sglang response: {msg}", sample_id=sample_id)
-
-    if not isinstance(response, dict) or not isinstance(response.get("meta_info"), dict):
-        raise fail("no meta_info")
-    meta = response["meta_info"]
-    finish = meta.get("finish_reason")
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        raise fail(f"request aborted: {finish.get('message', finish)}")
-    if meta.get("prompt_tokens") not in (None, num_tokens):
-        raise fail(f"prompt_tokens {meta.get('prompt_tokens')} != {num_tokens} sent")
-    if meta.get("cached_tokens"):
-        raise fail(
-            f"{meta['cached_tokens']} prompt tokens came from the prefix cache, so their rows "
-            "are missing; start the engine with disable_radix_cache=True"
-        )
-    hidden = meta.get("hidden_states")
-    if not isinstance(hidden, list) or not hidden:
-        raise fail("no hidden_states (engine started without return-hidden-states support?)")
-    try:
-        rows = np.asarray(hidden[0], dtype=np.float32)
-    except (ValueError, TypeError) as exc:
-        raise fail(f"ragged or non-numeric hidden_states ({exc})") from None
-    if rows.ndim != 2:
-        raise fail(f"prefill hidden_states has shape {rows.shape}, expected [T, {width}]")
-    if rows.shape[0] != num_tokens:
-        raise fail(
-            f"truncated: {rows.shape[0]} rows of hidden states for {num_tokens} prompt tokens "
-            "(chunked prefill or prefix caching enabled?)"
-        )
-    if rows.shape[1] != width:
-        why = ""
-        if hidden_size and rows.shape[1] == width - hidden_size:
-            why = (
-                " (the final state was not appended: the forward hook did not run, e.g. a "
-                "CUDA graph replayed the prefill, or this SGLang keeps no last_hidden_states)"
-            )
-        elif hidden_size and rows.shape[1] in (hidden_size, 2 * hidden_size):
-            why = " (the model returned its pre-norm final state instead of the aux captures)"
-        raise fail(f"rows have width {rows.shape[1]}, expected {width}{why}")
-    if not np.isfinite(rows).all():
-        raise fail("non-finite values in hidden_states")
-    return torch.from_numpy(rows)
+    layout = [len(captured) if s.depth == n else captured.index(s.depth) for s in layers]
+    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots, layout=layout)
 
 
 def engine_kwargs(
@@ -183,10 +164,26 @@ def engine_kwargs(
     mem_fraction_static: float | None,
     dtype: str,
     trust_remote_code: bool = False,
+    capture: str = "shm",
+    capture_dir: str | None = None,
+    rid_prefix: str = "",
+    device: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Server arguments of the one engine (every name is a field of sglang 0.5.23's
     ServerArgs, ``arg_groups/fields/*.py``; the contract test checks them against the wheel)."""
+    aux_width = len(plan.captured_depths) * hidden_size
+    if capture == "shm":
+        hook_config: dict[str, Any] = {
+            "mode": "shm",
+            "aux_width": aux_width,
+            "hidden_size": hidden_size,
+            "layout": plan.layout,
+            "dir": capture_dir,
+            "rid_prefix": rid_prefix,
+        }
+    else:
+        hook_config = {"mode": "append", "aux_width": aux_width}
     kwargs: dict[str, Any] = {
         "model_path": model_dir,
         "skip_tokenizer_init": True,
@@ -204,13 +201,16 @@ def engine_kwargs(
         "return_aux_hidden_state_layer_ids": list(plan.aux_ids),
         "forward_hooks": [
             {
-                "name": "hsstore-final-state",
+                "name": "hsstore-capture",
                 "target_modules": ["logits_processor", "*.logits_processor"],
                 "hook_factory": HOOK_FACTORY,
-                "config": {"aux_width": len(plan.captured_depths) * hidden_size},
+                "config": hook_config,
             }
         ],
     }
+    if device == "cpu":  # SGLang's CPU path runs with its torch-native attention
+        kwargs["device"] = "cpu"
+        kwargs["attention_backend"] = "torch_native"
     if mem_fraction_static is not None:
         kwargs["mem_fraction_static"] = mem_fraction_static
     kwargs.update(extra or {})
@@ -231,14 +231,30 @@ def check_sglang_version(version: str) -> None:
 
 
 def _default_engine_factory(**kwargs: Any) -> Any:
+    if kwargs.get("device") == "cpu":  # read by sglang at import (platforms/__init__.py)
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         import sglang
     except ImportError as exc:
-        raise BadInputError(
-            "the sglang backend needs SGLang (pip install '.[sglang]', GPU only)"
-        ) from exc
+        raise BadInputError("the sglang backend needs SGLang: pip install '.[sglang]'") from exc
     check_sglang_version(str(getattr(sglang, "__version__", "unknown")))
     return sglang.Engine(**kwargs)
+
+
+def _capture_mode(capture: str | None) -> str:
+    mode = capture or os.environ.get(CAPTURE_ENV) or "shm"
+    if mode not in CAPTURE_MODES:
+        raise BadInputError(
+            f"unknown sglang capture {mode!r}; use one of {', '.join(CAPTURE_MODES)}"
+        )
+    if mode == "lists":
+        warnings.warn(
+            "sglang capture 'lists': hidden states travel as Python lists through SGLang's "
+            "return_hidden_states, one Python float per value; extraction is bound by one host "
+            "core and host memory grows with the batch (the default 'shm' capture has neither)",
+            stacklevel=3,
+        )
+    return mode
 
 
 class SGLangBackend:
@@ -255,6 +271,8 @@ class SGLangBackend:
         tp_size: int = 1,
         mem_fraction_static: float | None = None,
         dtype: str | None = "auto",
+        device: str | None = None,
+        capture: str | None = None,
         trust_remote_code: bool = False,
         extra_engine_args: dict[str, Any] | None = None,
     ):
@@ -272,30 +290,59 @@ class SGLangBackend:
         self.dtype = _DTYPES[dtype_name]
         self.layers = list(layers)
         self.plan = plan_capture(self.layers, self.num_hidden_layers)
-        factory = engine_factory or _default_engine_factory
-        self.engine = factory(
-            **engine_kwargs(
-                model_dir,
-                self.plan,
-                hidden_size=self.hidden_size,
-                tp_size=tp_size,
-                mem_fraction_static=mem_fraction_static,
-                dtype=dtype_name,
-                trust_remote_code=trust_remote_code,
-                extra=extra_engine_args,
+        self.capture = _capture_mode(capture)
+        device = str(device).split(":")[0] if device else None
+        if device == "cpu" and mem_fraction_static is None:
+            checkpoint = str(cfg_dtype).replace("torch.", "") if cfg_dtype is not None else ""
+            mem_fraction_static = cpu_mem_fraction(
+                model_dir, text_config, checkpoint_dtype=checkpoint, dtype=dtype_name
             )
-        )
+        self.capture_dir = make_capture_dir() if self.capture == "shm" else None
+        self._rid_prefix = f"hsstore-{uuid.uuid4().hex[:12]}-"
+        self._rids = itertools.count()
+        # bytes captured, the scheduler's write_s and this worker's read_s (tools/bench_sglang.py)
+        self.capture_stats: dict[str, float] = {}
+        self.engine = None
+        factory = engine_factory or _default_engine_factory
+        try:
+            self.engine = factory(
+                **engine_kwargs(
+                    model_dir,
+                    self.plan,
+                    hidden_size=self.hidden_size,
+                    tp_size=tp_size,
+                    mem_fraction_static=mem_fraction_static,
+                    dtype=dtype_name,
+                    trust_remote_code=trust_remote_code,
+                    capture=self.capture,
+                    capture_dir=self.capture_dir,
+                    rid_prefix=self._rid_prefix,
+                    device=device,
+                    extra=extra_engine_args,
+                )
+            )
+        except BaseException:
+            self._remove_capture_dir()
+            raise
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.shutdown()
+        try:
+            if engine is not None:
+                engine.shutdown()
+        finally:
+            self._remove_capture_dir()
 
-    def _generate(self, batch: Sequence[TokenizedPrompt]) -> list[Any]:
+    def _remove_capture_dir(self) -> None:
+        if self.capture_dir is not None:
+            shutil.rmtree(self.capture_dir, ignore_errors=True)
+
+    def _generate(self, batch: Sequence[TokenizedPrompt], rids: list[str]) -> list[Any]:
         responses = self.engine.generate(
             input_ids=[p.input_ids.tolist() for p in batch],
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            return_hidden_states=True,
+            return_hidden_states=self.capture == "lists",
+            rid=rids,
         )
         if isinstance(responses, dict):
             responses = [responses]
@@ -308,25 +355,34 @@ class SGLangBackend:
         """Hidden states for each prompt, ``[T, L, H]`` in the stored dtype, on CPU."""
         if not batch:
             return []
-        h = self.hidden_size
-        responses = self._generate(batch)
-        out: list[torch.Tensor] = []
-        for response, p in zip(responses, batch):
-            t = p.num_tokens
-            rows = rows_from_response(
-                response,
-                num_tokens=t,
-                width=self.plan.blocks * h,
-                sample_id=p.sample_id,
-                hidden_size=h,
+        rids = [f"{self._rid_prefix}{next(self._rids)}" for _ in batch]
+        responses = self._generate(batch, rids)
+        if self.capture == "lists":
+            return [self._from_lists(r, p) for r, p in zip(responses, batch)]
+        out = []
+        for response, p, rid in zip(responses, batch, rids):
+            check_meta(response, num_tokens=p.num_tokens, sample_id=p.sample_id, rid=rid)
+            out.append(
+                states_from_captures(
+                    self.capture_dir,
+                    rid,
+                    num_tokens=p.num_tokens,
+                    layers=len(self.layers),
+                    hidden_size=self.hidden_size,
+                    dtype=self.dtype,
+                    sample_id=p.sample_id,
+                    stats=self.capture_stats,
+                )
             )
-            blocks = rows.view(t, self.plan.blocks, h)
-            states = torch.empty((t, len(self.layers), h), dtype=self.dtype)
-            for j, slot in enumerate(self.plan.slots):
-                if slot is not None:
-                    states[:, slot] = blocks[:, j]
-            out.append(states)
         return out
+
+    def _from_lists(self, response: Any, p: TokenizedPrompt) -> torch.Tensor:
+        h, t = self.hidden_size, p.num_tokens
+        rows = rows_from_response(
+            response, num_tokens=t, width=self.plan.blocks * h, sample_id=p.sample_id, hidden_size=h
+        )
+        blocks = rows.view(t, self.plan.blocks, h)
+        return blocks[:, self.plan.layout].to(self.dtype)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

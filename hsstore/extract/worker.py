@@ -113,6 +113,7 @@ def make_backend(spec: WorkerSpec) -> Any:
             spec.model,
             layers,
             dtype=spec.dtype,
+            device=spec.device,
             trust_remote_code=spec.trust_remote_code,
             **options,
         )

@@ -1,0 +1,331 @@
+"""How fast hidden states travel from a real SGLang engine to hsstore, against the list path.
+
+Run inside SGLang's environment (sglang 0.5.23; on CPU with ``SGLANG_USE_CPU_ENGINE=1``), from
+the repository root: ``python -m tools.bench_sglang``. A random Llama of the seed's width
+(hidden size 7168, 4 layers so that four states are captured: depths 1-3 and the final state;
+a small MLP and vocabulary keep the forward cheap), bf16, 512-token prompts in batches of 2.
+Each phase runs its engine in its own process (one engine per process):
+
+1. ``plain``: the engine with no aux capture and no hook, its forward alone;
+2. ``capture``: hsstore's backend (forward hook -> shared-memory capture files -> tensors),
+   batches alternating with the same prompts under request ids the hook ignores, so the
+   difference is the capture's host cost; the hook's write time and the worker's read time
+   are timed as well;
+3. ``lists``: the backend's list fallback (``return_hidden_states``), alternating the same way;
+4. ``hsstore extract --backend sglang`` on 2 and on 8 prompts: the wall difference over the
+   6 extra samples' tokens, so engine start-up is not counted.
+
+Peak host memory is sampled (RssAnon + RssShmem of the phase's process and its children every
+2 ms) over each batch, minus the same over the batch without capture, per sample.
+
+Last line: ``capture_gb_s`` (states bytes / the larger of the capture's timed host work and
+its wall difference), ``capture_vs_list`` (that rate over the list path's), ``host_us_per_token``
+(wall difference per token), ``peak_rss_per_sample`` (bytes added per sample over its states'
+bytes), ``extract_vs_forward`` (hsstore extract's tokens/s over the plain forward's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 7168
+LAYERS = 4
+LAYER_SPEC = "1,2,3,final"
+TOKENS = 512
+BATCH = 2
+
+
+def build_model(out: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hsstore.demo_model import build_tiny_model
+
+    tok = build_tiny_model(out / "tok", hidden=64, layers=1)
+    base = json.loads((tok / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=base["vocab_size"],
+        hidden_size=HIDDEN,
+        intermediate_size=2048,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HIDDEN // 128,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+        pad_token_id=base.get("pad_token_id"),
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    path = out / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tok / name).exists():
+            shutil.copy(tok / name, path / name)
+    return path
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
+    import torch
+
+    from hsstore.extract.chat_tokens import TokenizedPrompt
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, vocab, (TOKENS,), generator=g, dtype=torch.int64)
+        out.append(TokenizedPrompt(f"b{i}", i, ids, torch.ones_like(ids), "bench", False))
+    return out
+
+
+class PeakRss:
+    """Peak RssAnon + RssShmem of this process and its children, sampled every 2 ms."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        import psutil
+
+        procs = [psutil.Process()]
+        procs += procs[0].children(recursive=True)
+        total = 0
+        for p in procs:
+            try:
+                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                    if line.startswith(("RssAnon:", "RssShmem:")):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.base = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+    @property
+    def added(self) -> int:
+        return max(0, self.peak - self.base)
+
+
+def _engine_args(model: str) -> dict[str, Any]:
+    return {
+        "model_path": model,
+        "skip_tokenizer_init": True,
+        "disable_radix_cache": True,
+        "chunked_prefill_size": -1,
+        "disable_prefill_cuda_graph": True,
+        "disable_decode_cuda_graph": True,
+        "dtype": "bfloat16",
+        "random_seed": 0,
+        "log_level": "error",
+        "device": "cpu",
+        "attention_backend": "torch_native",
+    }
+
+
+def _plain_generate(engine: Any, batch: list[Any], tag: str) -> None:
+    engine.generate(
+        input_ids=[p.input_ids.tolist() for p in batch],
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        rid=[f"{tag}-{p.sample_id}-{time.monotonic_ns()}" for p in batch],
+    )
+
+
+def phase_plain(model: str, batches: int, vocab: int) -> dict[str, Any]:
+    import sglang
+
+    engine = sglang.Engine(**_engine_args(model), mem_fraction_static=_fraction(model))
+    try:
+        data = prompts(BATCH * (batches + 1), vocab)
+        _plain_generate(engine, data[:BATCH], "warm")
+        t0 = time.perf_counter()
+        for b in range(1, batches + 1):
+            _plain_generate(engine, data[b * BATCH : (b + 1) * BATCH], "plain")
+        wall = time.perf_counter() - t0
+    finally:
+        engine.shutdown()
+    return {"tokens": batches * BATCH * TOKENS, "wall_s": wall}
+
+
+def _fraction(model: str) -> float:
+    from transformers import AutoConfig
+
+    from hsstore.extract.sglang_memory import cpu_mem_fraction
+
+    return cpu_mem_fraction(
+        model, AutoConfig.from_pretrained(model), checkpoint_dtype="bfloat16", dtype="bfloat16"
+    )
+
+
+def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[str, Any]:
+    import warnings
+
+    from hsstore.extract.layer_select import parse_layers
+    from hsstore.extract.sglang_backend import SGLangBackend
+
+    layers = parse_layers(LAYER_SPEC, LAYERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        backend = SGLangBackend(model, layers, dtype="bfloat16", device="cpu", capture=capture)
+    try:
+        data = prompts(BATCH * (batches + 1), vocab)
+        backend.run(data[:BATCH])
+        _plain_generate(backend.engine, data[:BATCH], "warm")
+        backend.capture_stats.clear()
+        with_s = without_s = 0.0
+        added_with = added_without = 0
+        state_bytes = 0
+        for b in range(1, batches + 1):
+            batch = data[b * BATCH : (b + 1) * BATCH]
+            with PeakRss() as rss:
+                t0 = time.perf_counter()
+                _plain_generate(backend.engine, batch, "nocap")
+                without_s += time.perf_counter() - t0
+            added_without = max(added_without, rss.added)
+            with PeakRss() as rss:
+                t0 = time.perf_counter()
+                states = backend.run(batch)
+                for s in states:  # what the writer does first: read every value
+                    s.sum()
+                with_s += time.perf_counter() - t0
+            added_with = max(added_with, rss.added)
+            state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
+            del states
+    finally:
+        backend.close()
+    return {
+        "tokens": batches * BATCH * TOKENS,
+        "with_s": with_s,
+        "without_s": without_s,
+        "stats": dict(backend.capture_stats),
+        "state_bytes_per_sample": state_bytes,
+        "rss_added_per_sample": max(0, added_with - added_without) / BATCH,
+    }
+
+
+def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
+    from hsstore.extract.runner import ExtractOptions, run_extract
+    from tools.gpu_check_sglang import write_prompts
+
+    data = write_prompts(Path(work) / f"p{rows}.jsonl", rows, seed=1)
+    long = Path(work) / f"long{rows}.jsonl"
+    with long.open("w") as f:  # replies long enough that every prompt is cut at TOKENS
+        for line in data.read_text().splitlines():
+            row = json.loads(line)
+            row["messages"][1]["content"] = " ".join([row["messages"][1]["content"]] * 20)
+            f.write(json.dumps(row) + "\n")
+    t0 = time.perf_counter()
+    summary = run_extract(
+        ExtractOptions(
+            model=model,
+            data=str(long),
+            out=str(Path(work) / f"ds{rows}"),
+            backend="sglang",
+            device="cpu",
+            dtype="bfloat16",
+            layers=LAYER_SPEC,
+            max_length=TOKENS,
+            batch_size=BATCH,
+            progress=False,
+        )
+    )
+    return {"wall_s": time.perf_counter() - t0, "tokens": summary["tokens_written"]}
+
+
+def _child(queue: Any, fn: Any, args: tuple) -> None:
+    queue.put(fn(*args))
+
+
+def _in_process(fn, *args) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh process (not a daemon: SGLang starts children of its own)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, fn, args))
+    proc.start()
+    import queue as queues
+
+    try:
+        while True:
+            try:
+                return queue.get(timeout=5)
+            except queues.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"{fn.__name__} died (exit code {proc.exitcode})") from None
+    finally:
+        proc.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--list-batches", type=int, default=2)
+    parser.add_argument("--extract-rows", type=int, default=8)
+    parser.add_argument("--out", help="working directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    work = Path(args.out or tempfile.mkdtemp(prefix="hsstore-bench-sglang-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = str(build_model(work))
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    report: dict[str, Any] = {}
+    report["plain"] = _in_process(phase_plain, model, args.batches, vocab)
+    report["capture"] = _in_process(phase_backend, model, "shm", args.batches, vocab)
+    report["lists"] = _in_process(phase_backend, model, "lists", args.list_batches, vocab)
+    few = _in_process(phase_extract, model, str(work), 2)
+    many = _in_process(phase_extract, model, str(work), args.extract_rows)
+    report["extract"] = {"few": few, "many": many}
+    print(json.dumps(report, indent=2))
+
+    plain_tps = report["plain"]["tokens"] / report["plain"]["wall_s"]
+    cap, lst = report["capture"], report["lists"]
+    cap_bytes = cap["state_bytes_per_sample"] * cap["tokens"] / TOKENS
+    timed = cap["stats"].get("write_s", 0.0) + cap["stats"].get("read_s", 0.0)
+    cap_wall = cap["with_s"] - cap["without_s"]
+    capture_gb_s = cap_bytes / max(timed, cap_wall, 1e-9) / 1e9
+    list_bytes = lst["state_bytes_per_sample"] * lst["tokens"] / TOKENS
+    list_gb_s = list_bytes / max(lst["with_s"] - lst["without_s"], 1e-9) / 1e9
+    # a negative wall difference means the machine's load varied more than the extra work took
+    extract_tps = (many["tokens"] - few["tokens"]) / max(many["wall_s"] - few["wall_s"], 1e-3)
+    print(
+        f"plain_tokens_s={plain_tps:.0f} capture_timed_gb_s={cap_bytes / max(timed, 1e-9) / 1e9:.2f}"
+        f" list_gb_s={list_gb_s:.4f} extract_tokens_s={extract_tps:.0f}"
+        f" state_kib_per_token={cap['state_bytes_per_sample'] / TOKENS / 1024:.1f}"
+    )
+    print(
+        f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / max(list_gb_s, 1e-12):.0f}"
+        f" host_us_per_token={cap_wall / cap['tokens'] * 1e6:.1f}"
+        f" peak_rss_per_sample={cap['rss_added_per_sample'] / cap['state_bytes_per_sample']:.2f}x"
+        f" extract_vs_forward={extract_tps / plain_tps:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
