@@ -14,7 +14,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.errors import ConflictError
+from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.store import LocalStorage, Storage
@@ -81,8 +81,9 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
 
 
 def test_a_writer_whose_lease_lapsed_never_publishes(location):
-    """gc judged the writer dead while its heartbeat stalled and removed the segment; the
-    writer must then refuse to publish a manifest that would reference missing files."""
+    """gc judged the writer dead while its heartbeat stalled, condemned the segment in a
+    version and removed it; the writer reads that version while catching up and refuses to
+    publish a manifest that would reference missing files, naming the sample."""
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     stalled = threading.Event()
@@ -100,8 +101,9 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
     time.sleep(_lapse_wait(location))
     report = hsstore.gc(location, grace_s=0)
     assert report.removed_segments == [seg_id]
-    with pytest.raises(ConflictError, match="lapsed"):
+    with pytest.raises(SegmentRemovedError, match="condemned.*lease lapsed") as caught:
         w.commit()
+    assert caught.value.sample_ids == ("a",) and caught.value.published is None
     release.set()
     w.close()
     assert len(hsstore.open(location)) == 0 and hsstore.verify(location).ok

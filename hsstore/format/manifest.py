@@ -415,9 +415,15 @@ class Delta:
     committed_at: str
     add_segments: tuple[SegmentInfo, ...]
     add_skipped: tuple[dict[str, str], ...] = ()
+    # The committer's identity (writer and attempt): how a writer whose request's outcome is
+    # unknown recognises its own version when it reads it back.
+    commit: str | None = None
+    # Unreferenced segments gc is about to remove (gc's own versions): a writer that finds one
+    # of its segments here refuses to publish it (see hsstore.format.commit).
+    condemn: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "delta",
@@ -427,6 +433,11 @@ class Delta:
             "add_segments": [s.to_json() for s in self.add_segments],
             "add_skipped": list(self.add_skipped),
         }
+        if self.commit is not None:
+            obj["commit"] = self.commit
+        if self.condemn:
+            obj["condemn"] = list(self.condemn)
+        return obj
 
     def to_bytes(self) -> bytes:
         return _seal(self.to_json(), where=f"manifest version {self.version}")
@@ -441,6 +452,8 @@ class Delta:
             committed_at=obj["committed_at"],
             add_segments=segments,
             add_skipped=tuple(obj["add_skipped"]),
+            commit=obj.get("commit"),
+            condemn=tuple(obj.get("condemn", ())),
         )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import TypeVar
@@ -34,7 +33,7 @@ from obstore.exceptions import (
 from obstore.store import ObjectStore, from_url
 
 from hsstore.errors import StorageError
-from hsstore.format.store import ObjectInfo, Storage
+from hsstore.format.store import ObjectInfo, Storage, holds
 from hsstore.format.store_cache import LocalCache
 
 T = TypeVar("T")
@@ -44,7 +43,6 @@ MULTIPART_BYTES = 16 << 20
 PART_BYTES = 8 << 20
 # A read longer than two of these is split into concurrent ranged GETs.
 SPLIT_BYTES = 1 << 20
-CLOCK_PREFIX = ".hsstore-clock"
 
 
 def _retry_config() -> dict[str, object]:
@@ -244,8 +242,10 @@ class ObjectStorage(Storage):
         else:
             body = parts[0] if len(parts) == 1 else b"".join(parts)
             # Segment files have writer-unique names: create mode turns a (never expected)
-            # name clash into an error instead of an overwrite.
-            self._call(key, lambda: obstore.put(self._store, key, body, mode="create"))
+            # name clash into an error instead of an overwrite. A clash with our own bytes is
+            # a resent request whose first reply was lost: the file is in place.
+            if not self.put_if_absent(key, body):
+                raise StorageError("another object already has this name", path=self.path_of(key))
         return size
 
     def sync(self, keys: Iterable[str]) -> None:
@@ -256,10 +256,10 @@ class ObjectStorage(Storage):
             try:
                 obstore.put(self._store, key, data, mode="create")
             except (AlreadyExistsError, PreconditionError):
-                return False  # 412: another writer created it first
+                return False  # 412: the name exists (another writer's, or our own resent)
             return True
 
-        return self._call(key, create)
+        return self._call(key, create) or holds(self, key, data)
 
     def put(self, key: str, data: bytes) -> None:
         self._call(key, lambda: obstore.put(self._store, key, data, mode="overwrite"))
@@ -273,15 +273,6 @@ class ObjectStorage(Storage):
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
             self._call(prefix, lambda b=batch: obstore.delete(self._store, b))
-
-    def now(self) -> float:
-        """The server's clock: write a tiny object and read its modification time."""
-        key = f"{CLOCK_PREFIX}/{uuid.uuid4().hex}"
-        self.put(key, b"")
-        try:
-            return self.stat(key).modified
-        finally:
-            self.delete(key)
 
     def check_root(self) -> None:
         """Nothing to check before the first request (a missing dataset shows as no manifest)."""

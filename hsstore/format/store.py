@@ -16,7 +16,6 @@ import mmap
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -27,6 +26,8 @@ from hsstore.errors import NotADatasetError
 
 # URL schemes obstore serves; anything else with "://" is refused rather than taken for a path.
 TEMP_PREFIX = ".tmp-"
+# Where `Storage.now` writes its probe objects (at the dataset root, outside the format's files).
+CLOCK_PREFIX = ".hsstore-clock"
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Atomically create ``key`` with ``data``; False if it already exists."""
+        """Atomically create ``key`` with ``data``. True when created, or when ``key`` already
+        holds exactly ``data`` (the request was resent after its reply was lost, and the
+        server refused the second copy); False when another object holds the name."""
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -131,8 +134,17 @@ class Storage(abc.ABC):
         """Every object under the folder ``prefix``, at any depth."""
 
     def now(self) -> float:
-        """The current time on the storage's clock (compare it with `ObjectInfo.modified`)."""
-        return time.time()
+        """The current time on the storage's clock (compare it with `ObjectInfo.modified`):
+        the modification time of a tiny object written for the purpose. On a shared filesystem
+        that is the clock of whoever stamps mtimes (the file server, or the writing kernel), the
+        same one that stamped every lease and segment file, never this process's `time.time()`,
+        which may run minutes apart on another machine."""
+        key = f"{CLOCK_PREFIX}/{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            return self.stat(key).modified
+        finally:
+            self.delete(key)
 
     @abc.abstractmethod
     def check_root(self) -> None:
@@ -365,11 +377,19 @@ class LocalStorage(Storage):
     def put(self, key: str, data: bytes) -> None:
         path = self._abs(key)
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        for attempt in range(_TEMP_ATTEMPTS):
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                # The temp file (or its folder) was removed meanwhile, by a gc run told to take
+                # young temp files (``--grace 0``): write it again.
+                if attempt == _TEMP_ATTEMPTS - 1:
+                    raise
 
     def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
         path = self._abs(key)
@@ -398,23 +418,29 @@ class LocalStorage(Storage):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._abs(key)
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        with _naming(path), open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        finally:
-            # gc leaves young temp files alone (see commit.gc); tolerate one removed anyway, so
-            # a published version never reports failure.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_dir(folder)
-        return True
+        for attempt in range(_TEMP_ATTEMPTS):
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+            try:
+                with _naming(path), open(tmp, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)
+            except FileExistsError:
+                return holds(self, key, data)
+            except FileNotFoundError:
+                # The temp file was removed before its link (a gc told to take young temp
+                # files, ``--grace 0``): nothing was created, so write it again.
+                if attempt == _TEMP_ATTEMPTS - 1:
+                    raise
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            _fsync_dir(folder)
+            return True
+        raise AssertionError("unreachable")
 
     def list(self, prefix: str) -> list[str]:
         try:
@@ -460,6 +486,19 @@ class LocalStorage(Storage):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+
+
+# How often a local write starts again when its temp file was removed under it.
+_TEMP_ATTEMPTS = 5
+
+
+def holds(storage: Storage, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data``: a create refused because the name exists was
+    then our own (a resent request whose first reply was lost), or another writer's."""
+    try:
+        return storage.read_bytes(key) == data
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
