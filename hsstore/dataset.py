@@ -251,8 +251,7 @@ class Dataset:
         # Segment ids are unique and append-only: the same n-th id means the same first n.
         if n and (len(manifest.segments) < n or manifest.segments[n - 1].id != readers[-1].info.id):
             readers, tables, n = [], [], 0
-        self.manifest = manifest
-        self._readers, self._tables = readers[:n], tables[:n]
+        readers, tables = readers[:n], tables[:n]
         for info in manifest.segments[n:]:
             reader = SegmentReader(self.storage, manifest, info)
             table = reader.index()
@@ -261,8 +260,11 @@ class Dataset:
                     f"index has {table.num_rows} rows, manifest says {info.num_samples}",
                     path=reader.where(paths.INDEX),
                 )
-            self._readers.append(reader)
-            self._tables.append(table)
+            readers.append(reader)
+            tables.append(table)
+        # Only once every index is in: a failed read leaves the view at its old version.
+        self.manifest = manifest
+        self._readers, self._tables = readers, tables
         self._joined: _JoinedIndex | None = None
         self._ids: list[str] | None = None
         self._pos: dict[str, int] | None = None

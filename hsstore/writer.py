@@ -369,7 +369,10 @@ class Writer:
         damaged = self._damaged(mine)
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
-        self.ds.refresh(to=published)
+        # Published: from here on nothing may turn the commit into an error. A view that
+        # cannot load now (a failed read) is refreshed again on its next use.
+        with contextlib.suppress(HsstoreError, OSError):
+            self.ds.refresh(to=published)
         return published
 
     def _damaged(self, mine: list[SegmentInfo]) -> set[str]:

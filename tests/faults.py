@@ -9,7 +9,8 @@ piece of work underneath) and, at any call a test chooses, can:
 - ``resend``: let the call take effect twice and return the second answer, as a client that
   retries after a lost reply does (a conditional create then sees its own object: 412);
 - ``delay``: sleep before the call;
-- ``pause``: block the caller until the test releases it (a GC pause, a SIGSTOP).
+- ``pause``: block the caller until the test releases it (a GC pause, a SIGSTOP);
+- ``outage``: lose this reply, then fail every call for a while (`seeded` only).
 
 `clock_shift` moves the process's wall clock (``time.time``), standing in for a machine whose
 clock runs ahead or behind. Which call gets which fault is decided by a function of the call
@@ -31,7 +32,7 @@ from hsstore.errors import StorageError
 from hsstore.format.object_store import ObjectStorage
 from hsstore.format.store import ObjectInfo, Storage
 
-KINDS = ("fail", "lose", "resend", "delay", "pause")
+KINDS = ("fail", "lose", "resend", "delay", "pause", "outage")
 
 
 class InjectedFault(OSError):
@@ -131,7 +132,7 @@ class FaultyStorage(Storage):
                 time.sleep(fault.seconds)
             return do()
         result = do()
-        if fault.kind == "lose":
+        if fault.kind in ("lose", "outage"):  # an outage starts with the reply in flight
             raise self._error(call, "reply lost after the request took effect")
         if fault.kind == "resend" and verb in self._resendable:
             return do()
@@ -195,19 +196,25 @@ def at(verb: str, key_part: str, fault: Fault, *, times: int = 1) -> Plan:
 
 
 def seeded(rng: random.Random, rate: float, *, pause_s: float = 0.05) -> Plan:
-    """A plan drawing a fault for a ``rate`` share of calls: fail, lose, resend, delay and
-    short pauses (pauses longer than a lease's ttl are how gc comes to judge a live writer
-    dead)."""
+    """A plan drawing a fault for a ``rate`` share of calls: fail, lose, resend, delay, short
+    pauses (pauses longer than a lease's ttl are how gc comes to judge a live writer dead), and
+    outages (every call fails for up to ``pause_s``: an outcome may then stay unknown)."""
     lock = threading.Lock()
+    outage_until = [0.0]
 
     def plan(call: Call) -> Fault | None:
         with lock:
+            if time.monotonic() < outage_until[0]:
+                return Fault("fail")
             if rng.random() >= rate:
                 return None
             kind = rng.choice(KINDS)
             seconds = rng.uniform(0, pause_s)
+            if kind == "outage":
+                outage_until[0] = time.monotonic() + seconds
+                return Fault("outage")
         if kind in ("delay", "pause"):
-            return Fault("delay" if kind == "delay" else "pause", seconds=seconds)
+            return Fault(kind, seconds=seconds)
         return Fault(kind)
 
     return plan
