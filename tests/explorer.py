@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,7 +109,7 @@ class _Schedule:
 
     def storage(self) -> FaultyStorage:
         with self.lock:
-            plan = seeded(random.Random(self.rng.random()), self.rate, pause_s=0.08)
+            plan = seeded(random.Random(self.rng.random()), self.rate, pause_s=0.04)
             s = FaultyStorage(open_storage(self.location), plan, tally=self.results.faults)
             self.storages.append(s)
             return s
@@ -171,8 +172,8 @@ class _Schedule:
                 self.results.gc_runs += 1
 
     def reader(self) -> None:
-        for _ in range(3):
-            time.sleep(0.03)
+        for _ in range(2):
+            time.sleep(0.02)
             self._read_all()
 
     def _read_all(self) -> None:
@@ -260,9 +261,9 @@ def _run_threads(sch: _Schedule, seed: int, results: Results) -> None:
     rng = sch.rng
     jobs: list[Callable[[], None]] = []
     for i in range(rng.choice([2, 2, 3])):
-        ttl = rng.choice([0.05, 0.2, 5.0])
-        jobs.append(lambda i=i, ttl=ttl: sch.writer(i, rng.choice([1, 2, 3]), ttl))
-    jobs.append(lambda: sch.gc(rng.choice([1, 2, 3])))
+        ttl = rng.choice([0.03, 0.2, 5.0])
+        jobs.append(lambda i=i, ttl=ttl: sch.writer(i, rng.choice([1, 2]), ttl))
+    jobs.append(lambda: sch.gc(rng.choice([1, 2])))
     jobs.append(sch.reader)
     threads = [threading.Thread(target=job, daemon=True) for job in jobs]
     for t in threads:
@@ -348,4 +349,6 @@ def explore(
             run_crash_schedule(location, seed, results)
         else:
             run_schedule(location, seed, results, rate=rate)
+        if "://" not in location:
+            shutil.rmtree(location, ignore_errors=True)  # checked: thousands fit in tmpfs
     return results
