@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError, HsstoreError
-from hsstore.format import commit, paths
+from hsstore.format import commit, history, paths
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Manifest, SegmentInfo
@@ -323,6 +323,10 @@ class Writer:
             else:
                 self._leave_to_gc()
                 raise
+        # Evidence of this version in its segments, should its manifest file be lost (read by
+        # open, verify and gc; see hsstore.format.history). Best effort: the commit stands.
+        with contextlib.suppress(HsstoreError, OSError):
+            history.mark_committed(self.storage, published, mine)
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
             # After the publish (gc re-reads the manifest after its lease check). A failed

@@ -11,8 +11,7 @@ import os
 from hsstore.errors import BadInputError
 from hsstore.format.object_store import ObjectStorage
 from hsstore.format.store import LocalStorage, Storage
-
-OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
+from hsstore.format.urls import OBJECT_SCHEMES, check_url, local_path_of_file_url, redacted
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -35,12 +34,12 @@ def open_storage(
     if not is_url(location):
         return LocalStorage(location)
     text = str(location)
-    scheme = text.split("://", 1)[0].lower()
+    scheme = check_url(text)  # before anything could echo or send it
     if scheme == "file":
-        return LocalStorage(text[len("file://") :])
+        return LocalStorage(local_path_of_file_url(text))
     if scheme in OBJECT_SCHEMES:
         return ObjectStorage(text, cache_dir=cache_dir or os.environ.get("HSSTORE_CACHE_DIR"))
     raise BadInputError(
         f"unsupported storage URL scheme {scheme!r} (use s3://, gs://, az://, file:// or a path)",
-        path=text,
+        path=redacted(text),
     )

@@ -172,6 +172,9 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, str] = field(default_factory=lambda: dict(COLUMN_DTYPES))
     format_version: int = FORMAT_VERSION
+    # The checksum of this version's own file (``manifests/v{version}.json``): the link the
+    # next delta's ``prev`` names (None where it is not known, e.g. folded from a checkpoint).
+    head_checksum: str | None = field(default=None, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -259,28 +262,42 @@ class Manifest:
             version=version,
             committed_at=now_iso(),
             format_version=FORMAT_VERSION,
+            head_checksum=None,
         )
 
     def delta_to(self, nxt: Manifest) -> Delta:
-        """The delta that turns this version into ``nxt`` (which only adds to it)."""
-        n = len(self.segments)
-        old_skipped = self.provenance.get("skipped", [])
-        new_skipped = nxt.provenance.get("skipped", [])
+        """The delta that turns this version into ``nxt``, which adds segments and skipped
+        inputs and may remove segments (a repair), recording each removal in ``dropped``."""
+        new_ids = {s.id for s in nxt.segments}
+        kept = tuple(s for s in self.segments if s.id in new_ids)
+        removed = tuple(s.id for s in self.segments if s.id not in new_ids)
+        n = len(kept)
+        appended = {}
+        for key in _APPENDED_PROVENANCE:
+            old, new = self.provenance.get(key, []), nxt.provenance.get(key, [])
+            if new[: len(old)] != old:
+                raise FormatError(f"a commit may only append to provenance.{key}")
+            appended[key] = tuple(new[len(old) :])
         if (
             nxt.version != self.version + 1
-            or nxt.segments[:n] != self.segments
-            or new_skipped[: len(old_skipped)] != old_skipped
-            or {k: v for k, v in nxt.provenance.items() if k != "skipped"}
-            != {k: v for k, v in self.provenance.items() if k != "skipped"}
+            or nxt.segments[:n] != kept
+            or (removed and len(appended["dropped"]) == 0)
+            or _unappended(nxt.provenance) != _unappended(self.provenance)
             or _fixed_part(nxt) != _fixed_part(self)
         ):
-            raise FormatError("a commit may only add segments and skipped inputs")
+            raise FormatError(
+                "a commit may only add segments and skipped inputs, or remove segments it "
+                "records as dropped"
+            )
         return Delta(
             version=nxt.version,
             dataset_id=self.dataset_id,
             committed_at=nxt.committed_at,
             add_segments=nxt.segments[n:],
-            add_skipped=tuple(new_skipped[len(old_skipped) :]),
+            add_skipped=appended["skipped"],
+            prev=self.head_checksum,
+            remove_segments=removed,
+            add_dropped=appended["dropped"],
         )
 
     def apply(self, delta: Delta, *, where: str) -> Manifest:
@@ -293,18 +310,40 @@ class Manifest:
             raise FormatError(
                 f"delta is version {delta.version}, expected {self.version + 1}", path=where
             )
-        _check_unique_segments(self.segments, delta.add_segments, where=where)
+        if (
+            delta.prev is not None
+            and self.head_checksum is not None
+            and delta.prev != self.head_checksum
+        ):
+            raise IntegrityError(
+                f"hash chain broken: this delta follows a version {self.version} whose file had "
+                f"checksum {delta.prev}, but manifests/v{self.version:08d}.json has "
+                f"{self.head_checksum} (a version was replaced)",
+                path=where,
+            )
+        segments = self.segments
+        if delta.remove_segments:
+            gone = set(delta.remove_segments)
+            unknown = gone - {s.id for s in segments}
+            if unknown:
+                raise FormatError(
+                    f"delta removes segment {sorted(unknown)[0]}, which is not listed", path=where
+                )
+            segments = tuple(s for s in segments if s.id not in gone)
+        _check_unique_segments(segments, delta.add_segments, where=where)
         provenance = self.provenance
-        if delta.add_skipped:
-            provenance = dict(provenance)
-            provenance["skipped"] = list(provenance.get("skipped", [])) + list(delta.add_skipped)
+        for key, added in (("skipped", delta.add_skipped), ("dropped", delta.add_dropped)):
+            if added:
+                provenance = dict(provenance)
+                provenance[key] = list(provenance.get(key, [])) + list(added)
         return replace(
             self,
             version=delta.version,
             committed_at=delta.committed_at,
-            segments=self.segments + delta.add_segments,
+            segments=segments + delta.add_segments,
             provenance=provenance,
             format_version=FORMAT_VERSION,
+            head_checksum=delta.checksum,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -415,9 +454,16 @@ class Delta:
     committed_at: str
     add_segments: tuple[SegmentInfo, ...]
     add_skipped: tuple[dict[str, str], ...] = ()
+    # The hash chain: the checksum of the previous version's file (None: not recorded).
+    prev: str | None = None
+    # A repair: segments this version no longer lists, each recorded in ``add_dropped``.
+    remove_segments: tuple[str, ...] = ()
+    add_dropped: tuple[dict[str, Any], ...] = ()
+    # This delta's own file checksum, once sealed or read (not part of its JSON).
+    checksum: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        obj: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "delta",
@@ -427,6 +473,12 @@ class Delta:
             "add_segments": [s.to_json() for s in self.add_segments],
             "add_skipped": list(self.add_skipped),
         }
+        if self.prev is not None:
+            obj["prev"] = self.prev
+        if self.remove_segments:
+            obj["remove_segments"] = list(self.remove_segments)
+            obj["add_dropped"] = list(self.add_dropped)
+        return obj
 
     def to_bytes(self) -> bytes:
         return _seal(self.to_json(), where=f"manifest version {self.version}")
@@ -441,7 +493,19 @@ class Delta:
             committed_at=obj["committed_at"],
             add_segments=segments,
             add_skipped=tuple(obj["add_skipped"]),
+            prev=obj.get("prev"),
+            remove_segments=tuple(obj.get("remove_segments", ())),
+            add_dropped=tuple(obj.get("add_dropped", ())),
+            checksum=obj.get("checksum"),
         )
+
+
+# Provenance lists a commit appends to (a delta's add_skipped and add_dropped).
+_APPENDED_PROVENANCE = ("skipped", "dropped")
+
+
+def _unappended(provenance: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in provenance.items() if k not in _APPENDED_PROVENANCE}
 
 
 def _fixed_part(man: Manifest) -> Manifest:
@@ -499,7 +563,7 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
         raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
     if obj.get("kind") == "delta":
         return Delta.from_json(obj, where=where)
-    return Manifest.from_json(obj, where=where)
+    return replace(Manifest.from_json(obj, where=where), head_checksum=stored)
 
 
 def _check_nesting(obj: Any, *, where: str) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsstore.errors import NotADatasetError
+from hsstore.errors import FormatError, NotADatasetError
 
 # URL schemes obstore serves; anything else with "://" is refused rather than taken for a path.
 TEMP_PREFIX = ".tmp-"
@@ -201,7 +202,8 @@ class LocalStorage(Storage):
         return os.path.join(self.root, key)
 
     def read_bytes(self, key: str) -> bytes:
-        with open(self._abs(key), "rb") as f:
+        fd = _open_regular(self._abs(key))
+        with open(fd, "rb", closefd=True) as f:
             return f.read()
 
     def _open_fd(self, key: str) -> int:
@@ -214,7 +216,7 @@ class LocalStorage(Storage):
                 self._fds, self._evicted, self._pid = OrderedDict(), {}, os.getpid()
             entry = self._fds.get(key)
             if entry is None:
-                entry = self._fds[key] = [os.open(self._abs(key), os.O_RDONLY), 0]
+                entry = self._fds[key] = [_open_regular(self._abs(key)), 0]
                 while len(self._fds) > self._max_open:
                     _, (old, users) = self._fds.popitem(last=False)
                     if users:
@@ -460,6 +462,33 @@ class LocalStorage(Storage):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``. Opened without blocking and
+    checked, so a FIFO or device where a dataset file belongs is refused instead of hanging the
+    reader, and a directory gets one clear message instead of a raw IsADirectoryError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except IsADirectoryError:
+        raise FormatError("is a directory where a dataset file belongs", path=path) from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        what = _FILE_KINDS.get(kind, "not a regular file")
+        raise FormatError(f"is {what} where a dataset file belongs", path=path)
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 @contextlib.contextmanager
