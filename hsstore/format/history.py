@@ -254,7 +254,7 @@ def lost_commits(storage: Storage, latest: Manifest) -> list[tuple[str, int]]:
     not list: evidence that committed versions were lost. One listing of segments/, plus one
     read per unreferenced segment (the folders of writers still at work, usually none)."""
     listed = {s.id for s in latest.segments}
-    listed |= {d.get("segment") for d in latest.provenance.get("dropped", [])}  # by a repair
+    listed |= {r.get("segment") for r in latest.provenance.get("repairs", [])}  # decided
     lost = []
     for name in storage.list(paths.SEGMENTS):
         if name in listed or not paths.is_segment_id(name):

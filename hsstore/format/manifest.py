@@ -267,7 +267,7 @@ class Manifest:
 
     def delta_to(self, nxt: Manifest) -> Delta:
         """The delta that turns this version into ``nxt``, which adds segments and skipped
-        inputs and may remove segments (a repair), recording each removal in ``dropped``."""
+        inputs and may remove segments (a repair), recording each removal in ``repairs``."""
         new_ids = {s.id for s in nxt.segments}
         kept = tuple(s for s in self.segments if s.id in new_ids)
         removed = tuple(s.id for s in self.segments if s.id not in new_ids)
@@ -281,7 +281,7 @@ class Manifest:
         if (
             nxt.version != self.version + 1
             or nxt.segments[:n] != kept
-            or (removed and len(appended["dropped"]) == 0)
+            or (removed and len(appended["repairs"]) == 0)
             or _unappended(nxt.provenance) != _unappended(self.provenance)
             or _fixed_part(nxt) != _fixed_part(self)
         ):
@@ -297,7 +297,7 @@ class Manifest:
             add_skipped=appended["skipped"],
             prev=self.head_checksum,
             remove_segments=removed,
-            add_dropped=appended["dropped"],
+            add_repairs=appended["repairs"],
         )
 
     def apply(self, delta: Delta, *, where: str) -> Manifest:
@@ -332,7 +332,7 @@ class Manifest:
             segments = tuple(s for s in segments if s.id not in gone)
         _check_unique_segments(segments, delta.add_segments, where=where)
         provenance = self.provenance
-        for key, added in (("skipped", delta.add_skipped), ("dropped", delta.add_dropped)):
+        for key, added in (("skipped", delta.add_skipped), ("repairs", delta.add_repairs)):
             if added:
                 provenance = dict(provenance)
                 provenance[key] = list(provenance.get(key, [])) + list(added)
@@ -456,9 +456,9 @@ class Delta:
     add_skipped: tuple[dict[str, str], ...] = ()
     # The hash chain: the checksum of the previous version's file (None: not recorded).
     prev: str | None = None
-    # A repair: segments this version no longer lists, each recorded in ``add_dropped``.
+    # A repair: segments this version no longer lists, each recorded in ``add_repairs``.
     remove_segments: tuple[str, ...] = ()
-    add_dropped: tuple[dict[str, Any], ...] = ()
+    add_repairs: tuple[dict[str, Any], ...] = ()
     # This delta's own file checksum, once sealed or read (not part of its JSON).
     checksum: str | None = field(default=None, compare=False)
 
@@ -477,7 +477,8 @@ class Delta:
             obj["prev"] = self.prev
         if self.remove_segments:
             obj["remove_segments"] = list(self.remove_segments)
-            obj["add_dropped"] = list(self.add_dropped)
+        if self.add_repairs:
+            obj["add_repairs"] = list(self.add_repairs)
         return obj
 
     def to_bytes(self) -> bytes:
@@ -495,13 +496,13 @@ class Delta:
             add_skipped=tuple(obj["add_skipped"]),
             prev=obj.get("prev"),
             remove_segments=tuple(obj.get("remove_segments", ())),
-            add_dropped=tuple(obj.get("add_dropped", ())),
+            add_repairs=tuple(obj.get("add_repairs", ())),
             checksum=obj.get("checksum"),
         )
 
 
-# Provenance lists a commit appends to (a delta's add_skipped and add_dropped).
-_APPENDED_PROVENANCE = ("skipped", "dropped")
+# Provenance lists a commit appends to (a delta's add_skipped and add_repairs).
+_APPENDED_PROVENANCE = ("skipped", "repairs")
 
 
 def _unappended(provenance: dict[str, Any]) -> dict[str, Any]:

@@ -20,12 +20,21 @@ _ACCOUNT_SCHEMES = ("abfs", "abfss")
 # S3: 3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with
 # a letter or digit. GCS also allows underscores. Azure containers: no dots, no double hyphen.
 _BUCKET_RULES = {
-    "s3": (re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"), "3-63 lowercase letters, digits, "
-           "dots and hyphens, starting and ending with a letter or digit"),  # fmt: skip
-    "gs": (re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$"), "3-63 lowercase letters, digits, "
-           "dots, hyphens and underscores, starting and ending with a letter or digit"),  # fmt: skip
-    "az": (re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$"), "3-63 lowercase letters, "
-           "digits and single hyphens, starting and ending with a letter or digit"),  # fmt: skip
+    "s3": (
+        re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
+        "3-63 lowercase letters, digits, "
+        "dots and hyphens, starting and ending with a letter or digit",
+    ),  # fmt: skip
+    "gs": (
+        re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$"),
+        "3-63 lowercase letters, digits, "
+        "dots, hyphens and underscores, starting and ending with a letter or digit",
+    ),  # fmt: skip
+    "az": (
+        re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$"),
+        "3-63 lowercase letters, "
+        "digits and single hyphens, starting and ending with a letter or digit",
+    ),  # fmt: skip
 }
 _BUCKET_FAMILY = {"s3": "s3", "s3a": "s3", "gs": "gs", "az": "az", "azure": "az"}
 
