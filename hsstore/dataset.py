@@ -30,7 +30,7 @@ from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.layout import Layout
 from hsstore.format.lease import DEFAULT_TTL_S
-from hsstore.format.locations import open_storage
+from hsstore.format.locations import nesting_problem, open_storage
 from hsstore.format.manifest import Manifest, ModelInfo, now_iso
 from hsstore.format.sample_index import INDEX_SCHEMA, finish_checksum
 from hsstore.format.store import Storage
@@ -160,6 +160,9 @@ def create(
         if not exist_ok:
             raise ConflictError("a dataset already exists here", path=storage.root)
         return _open_compatible(storage, man)
+    nested = nesting_problem(storage)
+    if nested:
+        raise BadInputError(nested, path=storage.root)
     for key, doc in (
         (
             paths.ROOT_ZARR_JSON,

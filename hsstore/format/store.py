@@ -350,7 +350,11 @@ class LocalStorage(Storage):
         return n + super().read_scatter(key, offset + n, rest)
 
     def size(self, key: str) -> int:
-        return os.stat(self._abs(key)).st_size
+        st = os.stat(self._abs(key))
+        if not stat.S_ISREG(st.st_mode):
+            what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise FormatError(f"is {what} where a dataset file belongs", path=self._abs(key))
+        return st.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._abs(key))

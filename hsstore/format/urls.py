@@ -83,7 +83,7 @@ def check_url(text: str) -> str:
         if not bucket:
             raise refuse("URL names no bucket")
         rule, words = _BUCKET_RULES[family]
-        if not rule.match(bucket):
+        if not rule.match(bucket) or ".." in bucket:
             raise refuse(f"invalid bucket name {bucket!r}: a bucket name is {words}")
     return scheme
 
