@@ -101,7 +101,7 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
 def _lost_segments(storage: Storage, latest: Manifest, report: RepairReport) -> list[SegmentInfo]:
     """The segments lost versions committed (their commit marks), to be listed again."""
     restored = []
-    for seg_id, version in history.lost_commits(storage, latest):
+    for seg_id, version in sorted(history.lost_commits(storage, latest), key=lambda x: x[1]):
         mark = history.read_mark(storage, seg_id)
         if mark is None:
             continue
