@@ -1,6 +1,6 @@
 """hsstore: LLM hidden states as a first-class dataset.
 
-Public API: `create`, `open`, `verify`, `gc`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
+Public API: `create`, `open`, `verify`, `gc`, `repair`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
 and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 """
 
@@ -23,6 +23,7 @@ from hsstore.errors import (
 from hsstore.format.layers import LayerSpec
 from hsstore.format.manifest import Manifest, ModelInfo
 from hsstore.integrity import VerifyReport, gc, verify
+from hsstore.repair import RepairReport, repair
 from hsstore.writer import Writer
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "Manifest",
     "ModelInfo",
     "NotADatasetError",
+    "RepairReport",
     "Sample",
     "SchemaError",
     "StorageError",
@@ -51,5 +53,6 @@ __all__ = [
     "create",
     "gc",
     "open",
+    "repair",
     "verify",
 ]

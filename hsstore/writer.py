@@ -21,7 +21,7 @@ from hsstore.errors import (
     HsstoreError,
     SegmentRemovedError,
 )
-from hsstore.format import commit, paths
+from hsstore.format import commit, history, paths
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Delta, Manifest, SegmentInfo
@@ -352,6 +352,14 @@ class Writer:
                 self.abort()  # a duplicate id or a condemned segment: these cannot go in
             raise
         self._unresolved = None
+        damaged = self._damaged(mine)
+        # Evidence of this version in its segments, should its manifest file be lost (read by
+        # open, verify and gc; see hsstore.format.history). Only in intact segments (a mark
+        # would re-create a removed folder); best effort: the commit stands.
+        with contextlib.suppress(HsstoreError, OSError):
+            history.mark_committed(
+                self.storage, published, [seg for seg in mine if seg.id not in damaged]
+            )
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
             # After the publish (gc condemns only what no version references). A failed delete
@@ -366,7 +374,6 @@ class Writer:
         self._skipped = self._skipped[len(skipped) :]
         self.manifest = published
         self._segments_seen = len(published.segments)
-        damaged = self._damaged(mine)
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
         # Published: from here on nothing may turn the commit into an error. A view that

@@ -27,6 +27,18 @@ from hsstore.errors import (
     StorageError,
 )
 from hsstore.format import paths
+from hsstore.format.history import (  # noqa: F401 - the reading side, re-exported for callers
+    announced_version,
+    check_no_lost_commits,
+    check_not_rolled_back,
+    encode_hint,
+    list_checkpoints,
+    list_versions,
+    load_manifest,
+    mark_key,
+    read_checkpoint,
+    read_version,
+)
 from hsstore.format.lease import lease_is_live, lease_key
 from hsstore.format.manifest import FORMAT_VERSION, Delta, Manifest, load_document
 from hsstore.format.store import TEMP_PREFIX, Storage
@@ -34,113 +46,6 @@ from hsstore.format.store import TEMP_PREFIX, Storage
 # Every CHECKPOINT_EVERY versions the committer also writes the folded state, so loading any
 # version reads one checkpoint and at most CHECKPOINT_EVERY - 1 deltas.
 CHECKPOINT_EVERY = 64
-
-
-def list_versions(storage: Storage) -> list[int]:
-    versions = [paths.manifest_version(n) for n in storage.list(paths.MANIFESTS)]
-    return sorted(v for v in versions if v is not None)
-
-
-def list_checkpoints(storage: Storage) -> list[int]:
-    found = [paths.checkpoint_version(n) for n in storage.list(paths.MANIFESTS)]
-    return sorted(v for v in found if v is not None)
-
-
-def load_manifest(storage: Storage, version: int | None = None) -> Manifest:
-    """The given version, or the latest. Raises NotADatasetError when there is none.
-
-    Reads the newest checkpoint (or full manifest) at or below the version and the deltas
-    after it: a bounded number of files, whatever the length of the history.
-    """
-    names = storage.list(paths.MANIFESTS)
-    versions = sorted(v for v in map(paths.manifest_version, names) if v is not None)
-    checkpoints = sorted(v for v in map(paths.checkpoint_version, names) if v is not None)
-    if not versions:
-        raise NotADatasetError(
-            "not an hsstore dataset (no manifests/ with a committed version)", path=storage.root
-        )
-    if version is None:
-        version = versions[-1]
-        check_not_rolled_back(storage, version)
-    # Newest base first. Checkpoints are redundant (the deltas hold the same facts): one that
-    # is damaged or was pruned meanwhile is passed over for an older base (verify reports it).
-    bases = [0, *(c for c in checkpoints if c <= version)]
-    deltas: list[Delta] = []
-    man: Manifest | None = None
-    v = version
-    while man is None:
-        base = bases.pop()
-        while v > base and man is None:
-            doc = read_version(storage, v)
-            if isinstance(doc, Manifest):
-                man = doc
-            else:
-                deltas.append(doc)
-                v -= 1
-        if man is None:
-            if not base:
-                raise FormatError("version 1 is not a full manifest", path=storage.root)
-            try:
-                man = read_checkpoint(storage, base)
-            except HsstoreError:
-                continue
-    for delta in reversed(deltas):
-        man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
-    return man
-
-
-def read_version(storage: Storage, version: int) -> Manifest | Delta:
-    """One version file, parsed and checked (checksum, schema, name)."""
-    key = paths.manifest_key(version)
-    try:
-        data = storage.read_bytes(key)
-    except FileNotFoundError as exc:
-        raise NotADatasetError(f"no manifest version {version}", path=storage.path_of(key)) from exc
-    doc = load_document(data, where=storage.path_of(key))
-    if doc.version != version:
-        raise FormatError(
-            f"manifest says version {doc.version} but is named for {version}",
-            path=storage.path_of(key),
-        )
-    return doc
-
-
-def read_checkpoint(storage: Storage, version: int) -> Manifest:
-    key = paths.checkpoint_key(version)
-    try:
-        man = Manifest.from_bytes(storage.read_bytes(key), where=storage.path_of(key))
-    except FileNotFoundError as exc:
-        raise FormatError(f"checkpoint {version} is missing", path=storage.path_of(key)) from exc
-    if man.version != version:
-        raise FormatError(
-            f"checkpoint says version {man.version} but is named for {version}",
-            path=storage.path_of(key),
-        )
-    return man
-
-
-def announced_version(storage: Storage) -> int | None:
-    """The version the latest-version hint names (None when there is none yet)."""
-    try:
-        data = storage.read_bytes(paths.LATEST_HINT)
-    except FileNotFoundError:
-        return None
-    text = data.decode("ascii", "replace").strip()
-    if not text.isdigit() or len(text) > 16:
-        raise FormatError(f"version hint is not a number: {text[:40]!r}", path=storage.path_of(
-            paths.LATEST_HINT))  # fmt: skip
-    return int(text)
-
-
-def check_not_rolled_back(storage: Storage, latest: int) -> None:
-    """Raise if a version above ``latest`` was announced: the newest manifest was deleted."""
-    hint = announced_version(storage)
-    if hint is not None and hint > latest and not storage.exists(paths.manifest_key(latest + 1)):
-        raise IntegrityError(
-            f"version {hint} was published but manifests/v{latest + 1:08d}.json is missing: the "
-            f"newest versions were deleted or rolled back (restore them; nothing was repaired)",
-            path=storage.root,
-        )
 
 
 def _announce(storage: Storage, published: Manifest) -> None:
@@ -157,7 +62,9 @@ def _move_hint(storage: Storage, published: Manifest) -> None:
     current = announced_version(storage)
     if current is None or current < published.version:
         storage.delete(paths.LATEST_HINT)
-        storage.put_if_absent(paths.LATEST_HINT, f"{published.version}\n".encode())
+        storage.put_if_absent(
+            paths.LATEST_HINT, encode_hint(published.version, published.head_checksum)
+        )
     if published.version % CHECKPOINT_EVERY == 0:
         write_checkpoint(storage, published)
         # Checkpoints are redundant (the deltas hold the same facts): keep the newest two, so
@@ -332,13 +239,14 @@ def gc(
     check_not_rolled_back(storage, versions[-1])  # a rolled-back commit's segment is not debris
     now = storage.now()
     latest = load_manifest(storage, versions[-1])
+    check_no_lost_commits(storage, latest)  # nor is a segment a lost version committed
     referenced = {s.id for s in latest.segments}
     if pause is not None:
         pause("listed")
     dead = []
     for name in storage.list(paths.SEGMENTS):
-        if name == "zarr.json" or name in referenced:
-            continue
+        if not paths.is_segment_id(name) or name in referenced:
+            continue  # never anything but a segment folder (a dataset nested here, say)
         if _segment_is_live(storage, name, now=now, grace_s=grace_s):
             report.live_segments.append(name)
         else:
@@ -417,7 +325,21 @@ def _segment_is_live(storage: Storage, segment_id: str, *, now: float, grace_s: 
         except FileNotFoundError:
             return True  # gone meanwhile: nothing to remove
         return now - made < grace_s + storage.clock_resolution_s
+    if any(_foreign(o.key, segment_id) for o in objects):
+        return True  # holds a dataset of its own, or was committed: never debris
     lease = [o for o in objects if o.key == lease_key(segment_id)]
     if lease and lease_is_live(storage, lease[0], now):
         return True
     return now - max(o.modified for o in objects) < grace_s + storage.clock_resolution_s
+
+
+def _foreign(key: str, segment_id: str) -> bool:
+    """Whether an object under a segment folder shows it is not debris: a commit mark (a lost
+    version's segment, kept until a repair decides) or a dataset nested there."""
+    rel = key[len(paths.segment_dir(segment_id)) + 1 :]
+    if key == mark_key(segment_id):
+        return True
+    parts = rel.split("/")
+    return paths.MANIFESTS in parts[:-1] and (
+        paths.manifest_version(parts[-1]) is not None or parts[-1] == "_latest"
+    )

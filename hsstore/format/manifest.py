@@ -172,6 +172,9 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, str] = field(default_factory=lambda: dict(COLUMN_DTYPES))
     format_version: int = FORMAT_VERSION
+    # The checksum of this version's own file (``manifests/v{version}.json``): the link the
+    # next delta's ``prev`` names (None where it is not known, e.g. folded from a checkpoint).
+    head_checksum: str | None = field(default=None, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -259,28 +262,42 @@ class Manifest:
             version=version,
             committed_at=now_iso(),
             format_version=FORMAT_VERSION,
+            head_checksum=None,
         )
 
     def delta_to(self, nxt: Manifest) -> Delta:
-        """The delta that turns this version into ``nxt`` (which only adds to it)."""
-        n = len(self.segments)
-        old_skipped = self.provenance.get("skipped", [])
-        new_skipped = nxt.provenance.get("skipped", [])
+        """The delta that turns this version into ``nxt``, which adds segments and skipped
+        inputs and may remove segments (a repair), recording each removal in ``repairs``."""
+        new_ids = {s.id for s in nxt.segments}
+        kept = tuple(s for s in self.segments if s.id in new_ids)
+        removed = tuple(s.id for s in self.segments if s.id not in new_ids)
+        n = len(kept)
+        appended = {}
+        for key in _APPENDED_PROVENANCE:
+            old, new = self.provenance.get(key, []), nxt.provenance.get(key, [])
+            if new[: len(old)] != old:
+                raise FormatError(f"a commit may only append to provenance.{key}")
+            appended[key] = tuple(new[len(old) :])
         if (
             nxt.version != self.version + 1
-            or nxt.segments[:n] != self.segments
-            or new_skipped[: len(old_skipped)] != old_skipped
-            or {k: v for k, v in nxt.provenance.items() if k != "skipped"}
-            != {k: v for k, v in self.provenance.items() if k != "skipped"}
+            or nxt.segments[:n] != kept
+            or (removed and len(appended["repairs"]) == 0)
+            or _unappended(nxt.provenance) != _unappended(self.provenance)
             or _fixed_part(nxt) != _fixed_part(self)
         ):
-            raise FormatError("a commit may only add segments and skipped inputs")
+            raise FormatError(
+                "a commit may only add segments and skipped inputs, or remove segments it "
+                "records as dropped"
+            )
         return Delta(
             version=nxt.version,
             dataset_id=self.dataset_id,
             committed_at=nxt.committed_at,
             add_segments=nxt.segments[n:],
-            add_skipped=tuple(new_skipped[len(old_skipped) :]),
+            add_skipped=appended["skipped"],
+            prev=self.head_checksum,
+            remove_segments=removed,
+            add_repairs=appended["repairs"],
         )
 
     def apply(self, delta: Delta, *, where: str) -> Manifest:
@@ -293,18 +310,40 @@ class Manifest:
             raise FormatError(
                 f"delta is version {delta.version}, expected {self.version + 1}", path=where
             )
-        _check_unique_segments(self.segments, delta.add_segments, where=where)
+        if (
+            delta.prev is not None
+            and self.head_checksum is not None
+            and delta.prev != self.head_checksum
+        ):
+            raise IntegrityError(
+                f"hash chain broken: this delta follows a version {self.version} whose file had "
+                f"checksum {delta.prev}, but manifests/v{self.version:08d}.json has "
+                f"{self.head_checksum} (a version was replaced)",
+                path=where,
+            )
+        segments = self.segments
+        if delta.remove_segments:
+            gone = set(delta.remove_segments)
+            unknown = gone - {s.id for s in segments}
+            if unknown:
+                raise FormatError(
+                    f"delta removes segment {sorted(unknown)[0]}, which is not listed", path=where
+                )
+            segments = tuple(s for s in segments if s.id not in gone)
+        _check_unique_segments(segments, delta.add_segments, where=where)
         provenance = self.provenance
-        if delta.add_skipped:
-            provenance = dict(provenance)
-            provenance["skipped"] = list(provenance.get("skipped", [])) + list(delta.add_skipped)
+        for key, added in (("skipped", delta.add_skipped), ("repairs", delta.add_repairs)):
+            if added:
+                provenance = dict(provenance)
+                provenance[key] = list(provenance.get(key, [])) + list(added)
         return replace(
             self,
             version=delta.version,
             committed_at=delta.committed_at,
-            segments=self.segments + delta.add_segments,
+            segments=segments + delta.add_segments,
             provenance=provenance,
             format_version=FORMAT_VERSION,
+            head_checksum=delta.checksum,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -421,9 +460,16 @@ class Delta:
     # Unreferenced segments gc is about to remove (gc's own versions): a writer that finds one
     # of its segments here refuses to publish it (see hsstore.format.commit).
     condemn: tuple[str, ...] = ()
+    # The hash chain: the checksum of the previous version's file (None: not recorded).
+    prev: str | None = None
+    # A repair: segments this version no longer lists, each recorded in ``add_repairs``.
+    remove_segments: tuple[str, ...] = ()
+    add_repairs: tuple[dict[str, Any], ...] = ()
+    # This delta's own file checksum, once sealed or read (not part of its JSON).
+    checksum: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        obj = {
+        obj: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "delta",
@@ -437,6 +483,12 @@ class Delta:
             obj["commit"] = self.commit
         if self.condemn:
             obj["condemn"] = list(self.condemn)
+        if self.prev is not None:
+            obj["prev"] = self.prev
+        if self.remove_segments:
+            obj["remove_segments"] = list(self.remove_segments)
+        if self.add_repairs:
+            obj["add_repairs"] = list(self.add_repairs)
         return obj
 
     def to_bytes(self) -> bytes:
@@ -454,7 +506,19 @@ class Delta:
             add_skipped=tuple(obj["add_skipped"]),
             commit=obj.get("commit"),
             condemn=tuple(obj.get("condemn", ())),
+            prev=obj.get("prev"),
+            remove_segments=tuple(obj.get("remove_segments", ())),
+            add_repairs=tuple(obj.get("add_repairs", ())),
+            checksum=obj.get("checksum"),
         )
+
+
+# Provenance lists a commit appends to (a delta's add_skipped and add_repairs).
+_APPENDED_PROVENANCE = ("skipped", "repairs")
+
+
+def _unappended(provenance: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in provenance.items() if k not in _APPENDED_PROVENANCE}
 
 
 def _fixed_part(man: Manifest) -> Manifest:
@@ -512,7 +576,7 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
         raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
     if obj.get("kind") == "delta":
         return Delta.from_json(obj, where=where)
-    return Manifest.from_json(obj, where=where)
+    return replace(Manifest.from_json(obj, where=where), head_checksum=stored)
 
 
 def _check_nesting(obj: Any, *, where: str) -> None:

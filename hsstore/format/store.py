@@ -15,6 +15,7 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsstore.errors import NotADatasetError
+from hsstore.errors import FormatError, NotADatasetError
 
 # URL schemes obstore serves; anything else with "://" is refused rather than taken for a path.
 TEMP_PREFIX = ".tmp-"
@@ -213,7 +214,8 @@ class LocalStorage(Storage):
         return os.path.join(self.root, key)
 
     def read_bytes(self, key: str) -> bytes:
-        with open(self._abs(key), "rb") as f:
+        fd = _open_regular(self._abs(key))
+        with open(fd, "rb", closefd=True) as f:
             return f.read()
 
     def _open_fd(self, key: str) -> int:
@@ -226,7 +228,7 @@ class LocalStorage(Storage):
                 self._fds, self._evicted, self._pid = OrderedDict(), {}, os.getpid()
             entry = self._fds.get(key)
             if entry is None:
-                entry = self._fds[key] = [os.open(self._abs(key), os.O_RDONLY), 0]
+                entry = self._fds[key] = [_open_regular(self._abs(key)), 0]
                 while len(self._fds) > self._max_open:
                     _, (old, users) = self._fds.popitem(last=False)
                     if users:
@@ -360,7 +362,11 @@ class LocalStorage(Storage):
         return n + super().read_scatter(key, offset + n, rest)
 
     def size(self, key: str) -> int:
-        return os.stat(self._abs(key)).st_size
+        st = os.stat(self._abs(key))
+        if not stat.S_ISREG(st.st_mode):
+            what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise FormatError(f"is {what} where a dataset file belongs", path=self._abs(key))
+        return st.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._abs(key))
@@ -499,6 +505,33 @@ def holds(storage: Storage, key: str, data: bytes) -> bool:
         return storage.read_bytes(key) == data
     except FileNotFoundError:
         return False
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``. Opened without blocking and
+    checked, so a FIFO or device where a dataset file belongs is refused instead of hanging the
+    reader, and a directory gets one clear message instead of a raw IsADirectoryError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except IsADirectoryError:
+        raise FormatError("is a directory where a dataset file belongs", path=path) from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        what = _FILE_KINDS.get(kind, "not a regular file")
+        raise FormatError(f"is {what} where a dataset file belongs", path=path)
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 @contextlib.contextmanager
