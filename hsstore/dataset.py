@@ -24,6 +24,7 @@ from hsstore.errors import (
     ConflictError,
     HsstoreError,
     IntegrityError,
+    StorageError,
 )
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
@@ -271,11 +272,15 @@ class Dataset:
                         path=reader.where(paths.INDEX),
                     )
             except HsstoreError as exc:
-                if _file_intact(reader, paths.INDEX):
-                    raise  # intact bytes that disagree with the manifest: not local damage
+                if not _is_damage(exc) or _file_intact(reader, paths.INDEX):
+                    # A storage that failed to answer (the view stays at its old version), or
+                    # intact bytes that disagree with the manifest: neither is local damage.
+                    raise
                 unreadable[info.id] = str(exc)
                 continue
             except OSError as exc:
+                if not _is_damage(exc):
+                    raise
                 unreadable[info.id] = f"{exc.filename or reader.where(paths.INDEX)}: " + (
                     f"cannot read ({exc.strerror or exc})"
                 )
@@ -618,8 +623,11 @@ class Dataset:
                 if self.manifest.scaled:
                     scales = reader.column(paths.SCALES)[row : row + n]
         except HsstoreError as exc:
-            raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
+            cls = IntegrityError if _is_damage(exc) else StorageError
+            raise cls(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
         except OSError as exc:  # a committed file missing or unreadable
+            if not _is_damage(exc):
+                raise
             raise IntegrityError(
                 f"cannot read a committed file ({exc.strerror or exc})",
                 path=exc.filename or self.storage.path_of(paths.segment_dir(reader.info.id)),
@@ -660,6 +668,18 @@ class Dataset:
 
 
 _NO_ROWS = np.empty(0, np.int64)
+
+
+def _is_damage(exc: BaseException) -> bool:
+    """Whether a failed read shows damage to committed files (missing, truncated, a FIFO where
+    a file belongs, bytes failing their checksum), rather than a storage that failed to answer
+    (a network error, an I/O error), which a later read may get past: only damage makes a
+    segment unreadable or a sample's read an IntegrityError."""
+    if isinstance(exc, HsstoreError):
+        return not isinstance(exc, StorageError)
+    return isinstance(
+        exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    )
 
 
 def _file_intact(reader: SegmentReader, relpath: str) -> bool:
