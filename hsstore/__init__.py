@@ -7,6 +7,7 @@ and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 from hsstore.dataset import Dataset, Sample, create, open
 from hsstore.errors import (
     BadInputError,
+    CommitUnknownError,
     ConflictError,
     ConventionError,
     DuplicateSampleError,
@@ -17,6 +18,7 @@ from hsstore.errors import (
     LoaderStateError,
     NotADatasetError,
     SchemaError,
+    SegmentRemovedError,
     StorageError,
     UnsupportedVersionError,
 )
@@ -30,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BadInputError",
+    "CommitUnknownError",
     "ConflictError",
     "ConventionError",
     "Dataset",
@@ -46,6 +49,7 @@ __all__ = [
     "RepairReport",
     "Sample",
     "SchemaError",
+    "SegmentRemovedError",
     "StorageError",
     "UnsupportedVersionError",
     "VerifyReport",

@@ -23,6 +23,7 @@ from hsstore.errors import CommitUnknownError, HsstoreError, SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at, clock_shift
+from tests.wire_proxy import WireProxy, once
 from tools.synthetic import random_sample
 
 TTL = 0.4
@@ -303,3 +304,34 @@ def test_a_published_segment_removed_behind_the_protocol_is_named(tmp_path):
         w.commit()
     w.close()
     assert set(caught.value.sample_ids) == {"a", "b"} and caught.value.published == 2
+
+
+# -- 1 on the wire: obstore's own retries behind a proxy that loses replies ----------------
+@pytest.mark.parametrize("action", ["drop", "reset", "stall"])
+@pytest.mark.parametrize(
+    ("method", "part"),
+    [
+        ("PUT", "manifests/v00000002.json"),
+        ("PUT", "/.writing"),
+        ("PUT", "/index.parquet"),
+        ("PUT", "/zarr.json"),
+    ],
+)
+def test_replies_lost_on_the_wire_to_s3(s3_server, s3_url, monkeypatch, action, method, part):
+    """The server stores the object, the proxy drops (or resets, or stalls) its answer, obstore
+    resends and gets 412 for a conditional create: the writer goes on and its commit is
+    reported published."""
+    _make(s3_url)
+    proxy = WireProxy(s3_server.endpoint, once(action, method, part), stall_s=0.5)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        w = hsstore.open(s3_url).writer(lease_ttl_s=5)
+        w.add("a", *_sample("a"))
+        published = w.commit()
+        w.close()
+    finally:
+        proxy.close()
+    assert [a[0] for a in proxy.acted] == [action], proxy.acted
+    assert published is not None and published.version == 2
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    _check(s3_url, {"a"})

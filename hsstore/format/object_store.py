@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import TypeVar
@@ -41,6 +42,9 @@ T = TypeVar("T")
 # Objects this big go up in parts (never visible until the last part is in).
 MULTIPART_BYTES = 16 << 20
 PART_BYTES = 8 << 20
+# How often a create that got no answer at all (a broken connection) is sent again.
+CREATE_ATTEMPTS = 4
+UNREACHABLE = "cannot reach the storage endpoint"
 # A read longer than two of these is split into concurrent ranged GETs.
 SPLIT_BYTES = 1 << 20
 
@@ -117,7 +121,7 @@ class ObjectStorage(Storage):
                 ) from None
             if status is None:
                 raise StorageError(
-                    f"cannot reach the storage endpoint ({_reason(exc)})", path=self.path_of(key)
+                    f"{UNREACHABLE} ({_reason(exc)})", path=self.path_of(key)
                 ) from None
             raise StorageError(
                 f"storage request failed (HTTP {status}{', ' + code if code else ''})",
@@ -259,7 +263,16 @@ class ObjectStorage(Storage):
                 return False  # 412: the name exists (another writer's, or our own resent)
             return True
 
-        return self._call(key, create) or holds(self, key, data)
+        # A create is idempotent here (our own bytes count as created), so one whose
+        # connection broke after it was sent, which obstore does not resend, is sent again.
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                return self._call(key, create) or holds(self, key, data)
+            except StorageError as exc:
+                if attempt == CREATE_ATTEMPTS - 1 or not exc.message.startswith(UNREACHABLE):
+                    raise
+                time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def put(self, key: str, data: bytes) -> None:
         self._call(key, lambda: obstore.put(self._store, key, data, mode="overwrite"))
