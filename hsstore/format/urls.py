@@ -17,18 +17,22 @@ OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 # Schemes whose "container@account" authority is syntax, not credentials.
 _ACCOUNT_SCHEMES = ("abfs", "abfss")
 
-# S3: 3-63 characters of lowercase letters, digits, dots and hyphens, starting and ending with
-# a letter or digit. GCS also allows underscores. Azure containers: no dots, no double hyphen.
+# S3: 3-63 characters of lowercase letters, digits, dots (never two in a row) and hyphens,
+# starting and ending with a letter or digit. GCS also allows underscores and longer dotted
+# names. Azure containers: no dots, no double hyphen.
 _BUCKET_RULES = {
     "s3": (
         re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
         "3-63 lowercase letters, digits, "
         "dots and hyphens, starting and ending with a letter or digit",
     ),  # fmt: skip
-    "gs": (
-        re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$"),
-        "3-63 lowercase letters, digits, "
-        "dots, hyphens and underscores, starting and ending with a letter or digit",
+    "gs": (  # dotted names: up to 222 characters, each dot-separated part at most 63
+        re.compile(
+            r"^(?=.{3,222}$)[a-z0-9](?:[a-z0-9_-]{0,61}[a-z0-9])?"
+            r"(?:\.[a-z0-9](?:[a-z0-9_-]{0,61}[a-z0-9])?)*$"
+        ),
+        "3-63 lowercase letters, digits, hyphens and underscores (up to 222 with dots, 63 "
+        "between two), starting and ending with a letter or digit",
     ),  # fmt: skip
     "az": (
         re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$"),
