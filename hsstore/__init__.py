@@ -1,12 +1,13 @@
 """hsstore: LLM hidden states as a first-class dataset.
 
-Public API: `create`, `open`, `verify`, `gc`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
+Public API: `create`, `open`, `verify`, `gc`, `repair`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
 and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 """
 
 from hsstore.dataset import Dataset, Sample, create, open
 from hsstore.errors import (
     BadInputError,
+    CommitUnknownError,
     ConflictError,
     ConventionError,
     DuplicateSampleError,
@@ -17,18 +18,21 @@ from hsstore.errors import (
     LoaderStateError,
     NotADatasetError,
     SchemaError,
+    SegmentRemovedError,
     StorageError,
     UnsupportedVersionError,
 )
 from hsstore.format.layers import LayerSpec
 from hsstore.format.manifest import Manifest, ModelInfo
 from hsstore.integrity import VerifyReport, gc, verify
+from hsstore.repair import RepairReport, repair
 from hsstore.writer import Writer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BadInputError",
+    "CommitUnknownError",
     "ConflictError",
     "ConventionError",
     "Dataset",
@@ -42,8 +46,10 @@ __all__ = [
     "Manifest",
     "ModelInfo",
     "NotADatasetError",
+    "RepairReport",
     "Sample",
     "SchemaError",
+    "SegmentRemovedError",
     "StorageError",
     "UnsupportedVersionError",
     "VerifyReport",
@@ -51,5 +57,6 @@ __all__ = [
     "create",
     "gc",
     "open",
+    "repair",
     "verify",
 ]

@@ -22,14 +22,16 @@ from hsstore.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.errors import (
     BadInputError,
     ConflictError,
+    HsstoreError,
     IntegrityError,
+    StorageError,
 )
 from hsstore.format import commit, paths, zarr_meta
 from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.layout import Layout
 from hsstore.format.lease import DEFAULT_TTL_S
-from hsstore.format.locations import open_storage
+from hsstore.format.locations import nesting_problem, open_storage
 from hsstore.format.manifest import Manifest, ModelInfo, now_iso
 from hsstore.format.sample_index import INDEX_SCHEMA, finish_checksum
 from hsstore.format.store import Storage
@@ -159,6 +161,9 @@ def create(
         if not exist_ok:
             raise ConflictError("a dataset already exists here", path=storage.root)
         return _open_compatible(storage, man)
+    nested = nesting_problem(storage)
+    if nested:
+        raise BadInputError(nested, path=storage.root)
     for key, doc in (
         (
             paths.ROOT_ZARR_JSON,
@@ -238,31 +243,54 @@ class Dataset:
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._readers: list[SegmentReader] = []
         self._tables: list[pa.Table] = []
+        self._seen: tuple[str, ...] = ()
+        self.unreadable: dict[str, str] = {}
         self._load(
             manifest if manifest is not None else commit.load_manifest(self.storage, version)
         )
 
     def _load(self, manifest: Manifest) -> None:
-        # Segments are immutable and a newer version only appends to an older one: on
-        # refresh, keep the readers (and their decoded indexes and caches) of segments already
-        # loaded and read only the new ones; the joined index is rebuilt when next used.
-        readers, tables = self._readers, self._tables
-        n = len(readers)
-        # Segment ids are unique and append-only: the same n-th id means the same first n.
-        if n and (len(manifest.segments) < n or manifest.segments[n - 1].id != readers[-1].info.id):
-            readers, tables, n = [], [], 0
-        self.manifest = manifest
-        self._readers, self._tables = readers[:n], tables[:n]
+        # Segments are immutable and a commit usually only appends: on refresh, keep the
+        # readers (and their decoded indexes and caches) of segments already loaded and read
+        # only the new ones; the joined index is rebuilt when next used.
+        readers, tables = list(self._readers), list(self._tables)
+        seen, unreadable = self._seen, dict(self.unreadable)
+        n = len(seen)
+        if tuple(s.id for s in manifest.segments[:n]) != seen:  # a repair removed some
+            readers, tables, seen, unreadable = [], [], (), {}
+            n = 0
         for info in manifest.segments[n:]:
+            # A segment whose index cannot be read is left out of the view, named in
+            # `unreadable`: damage stays in the samples it touched (verify names them, and
+            # `hsstore.repair` publishes a version without them).
             reader = SegmentReader(self.storage, manifest, info)
-            table = reader.index()
-            if table.num_rows != info.num_samples:
-                raise IntegrityError(
-                    f"index has {table.num_rows} rows, manifest says {info.num_samples}",
-                    path=reader.where(paths.INDEX),
+            try:
+                table = reader.index()
+                if table.num_rows != info.num_samples:
+                    raise IntegrityError(
+                        f"index has {table.num_rows} rows, manifest says {info.num_samples}",
+                        path=reader.where(paths.INDEX),
+                    )
+            except HsstoreError as exc:
+                if not _is_damage(exc) or _file_intact(reader, paths.INDEX):
+                    # A storage that failed to answer (the view stays at its old version), or
+                    # intact bytes that disagree with the manifest: neither is local damage.
+                    raise
+                unreadable[info.id] = str(exc)
+                continue
+            except OSError as exc:
+                if not _is_damage(exc):
+                    raise
+                unreadable[info.id] = f"{exc.filename or reader.where(paths.INDEX)}: " + (
+                    f"cannot read ({exc.strerror or exc})"
                 )
-            self._readers.append(reader)
-            self._tables.append(table)
+                continue
+            readers.append(reader)
+            tables.append(table)
+        # Only once every index is in: a failed read leaves the view at its old version.
+        self.manifest = manifest
+        self._readers, self._tables = readers, tables
+        self._seen, self.unreadable = tuple(s.id for s in manifest.segments), unreadable
         self._joined: _JoinedIndex | None = None
         self._ids: list[str] | None = None
         self._pos: dict[str, int] | None = None
@@ -594,8 +622,17 @@ class Dataset:
                 mask = reader.column("loss_mask")[row : row + n]
                 if self.manifest.scaled:
                     scales = reader.column(paths.SCALES)[row : row + n]
-        except IntegrityError as exc:
-            raise IntegrityError(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
+        except HsstoreError as exc:
+            cls = IntegrityError if _is_damage(exc) else StorageError
+            raise cls(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
+        except OSError as exc:  # a committed file missing or unreadable
+            if not _is_damage(exc):
+                raise
+            raise IntegrityError(
+                f"cannot read a committed file ({exc.strerror or exc})",
+                path=exc.filename or self.storage.path_of(paths.segment_dir(reader.info.id)),
+                sample_id=self.sample_ids[i],
+            ) from exc
         if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
             self._index.checksum[i]
         ):
@@ -631,6 +668,27 @@ class Dataset:
 
 
 _NO_ROWS = np.empty(0, np.int64)
+
+
+def _is_damage(exc: BaseException) -> bool:
+    """Whether a failed read shows damage to committed files (missing, truncated, a FIFO where
+    a file belongs, bytes failing their checksum), rather than a storage that failed to answer
+    (a network error, an I/O error), which a later read may get past: only damage makes a
+    segment unreadable or a sample's read an IntegrityError."""
+    if isinstance(exc, HsstoreError):
+        return not isinstance(exc, StorageError)
+    return isinstance(
+        exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    )
+
+
+def _file_intact(reader: SegmentReader, relpath: str) -> bool:
+    """Whether a committed file reads with the size and crc32c the manifest recorded."""
+    try:
+        reader.read_small(relpath)
+    except (HsstoreError, OSError):
+        return False
+    return True
 
 
 class _JoinedIndex:

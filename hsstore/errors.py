@@ -63,6 +63,31 @@ class DuplicateSampleError(ConflictError):
     """A sample id that is already in the dataset (or in this writer) was added again."""
 
 
+class SegmentRemovedError(ConflictError):
+    """Segments of a commit were removed before it could publish them (gc judged their writer
+    dead: a pause or heartbeat stall longer than the lease ttl). ``sample_ids`` names exactly
+    the samples concerned; ``published`` is the version the commit landed as, or None when
+    nothing was published."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        sample_ids: tuple[str, ...] = (),
+        published: int | None = None,
+    ):
+        self.sample_ids = tuple(sample_ids)
+        self.published = published
+        super().__init__(message, path=path, sample_id=sample_ids[0] if sample_ids else None)
+
+
+class CommitUnknownError(HsstoreError):
+    """The storage never answered whether a commit's version was created, within the time
+    allowed to find out. Nothing was deleted and the writer keeps the commit: calling
+    ``commit()`` again learns the outcome (and publishes it if it had not landed)."""
+
+
 class BadInputError(HsstoreError):
     """Input handed to hsstore (a tensor, a foreign file) is malformed."""
 

@@ -1,8 +1,9 @@
 """Integrity: a full re-read of a dataset (`verify`) and debris removal (`gc`).
 
-verify checks, in order: the root and segments/ Zarr group documents; the version history
-(no gaps, no rolled-back newest version) and the files that make the latest version (their
-checksums, schema and consistency); every committed file is present with the recorded size
+verify checks, in order: the root and segments/ Zarr group documents; the hint; the version
+history (no gaps, no lost newest version: hint, hash chain and commit marks) and the files that
+make the latest version (their checksums, schema and consistency), or with ``full`` every
+version file and checkpoint; every committed file is present with the recorded size
 (and crc32c for small files); every shard's index and every chunk's crc32c and decoded size;
 then every sample is decoded and compared with its checksum. Each problem names the file and,
 where rows are involved, the sample ids affected.
@@ -10,6 +11,7 @@ where rows are involved, the sample ids affected.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -20,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from hsstore.errors import HsstoreError
-from hsstore.format import commit, paths
+from hsstore.errors import HsstoreError, NotADatasetError
+from hsstore.format import commit, history, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
@@ -45,6 +47,12 @@ class VerifyReport:
     files_checked: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+    # Which manifest files were read: the latest version's chain, or (``full``) every one.
+    history: str = ""
+    # Findings that are not damage (a missing hint, say): reported, never failing verify.
+    notes: list[str] = field(default_factory=list)
+    # Segments none of whose samples can be read (their index is unusable), with why.
+    unreadable_segments: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -73,6 +81,9 @@ class VerifyReport:
             "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 3),
             "gb_per_s": round(self.gb_per_s, 3),
+            "history": self.history,
+            "notes": list(self.notes),
+            "unreadable_segments": dict(self.unreadable_segments),
             "problems": [asdict(p) for p in self.problems],
             "bad_samples": self.bad_samples,
         }
@@ -86,19 +97,37 @@ def verify(
     *,
     workers: int | None = None,
     progress: Progress | None = None,
+    full: bool = False,
 ) -> VerifyReport:
-    """Re-read everything committed; never raises for data problems, returns them instead."""
-    from hsstore.dataset import Dataset
+    """Re-read everything committed; never raises for data problems, returns them instead.
 
+    The manifests read are those that make the latest version (its checkpoint and the deltas
+    after it); ``full`` also reads every older version file and checkpoint and checks the
+    hash chain that links them.
+    """
     t0 = time.perf_counter()
     storage = open_storage(path)
+    report = VerifyReport(path=storage.root, version=None)
+    manifest = _check_manifests(storage, report, full=full)
+    if manifest is not None:
+        report.version = manifest.version
+        check_segments(storage, manifest, report, workers=workers, progress=progress)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def check_segments(
+    storage: Storage,
+    manifest: Manifest,
+    report: VerifyReport,
+    *,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """Every committed file, shard and sample of ``manifest``'s segments, into ``report``."""
+    from hsstore.dataset import Dataset
+
     path = storage.root
-    report = VerifyReport(path=path, version=None)
-    manifest = _check_manifests(storage, report)
-    if manifest is None:
-        report.seconds = time.perf_counter() - t0
-        return report
-    report.version = manifest.version
 
     total = sum(f.size for s in manifest.segments for f in s.files.values())
     done = [0]
@@ -115,21 +144,23 @@ def verify(
     good_segments = []
     for seg in manifest.segments:
         reader = SegmentReader(storage, manifest, seg)
-        segment_ok = _check_segment_files(reader, report, tick)
-        if segment_ok:
+        unusable = _check_segment_files(reader, report, tick)
+        if unusable is None:
             good_segments.append(seg)
+        else:
+            report.unreadable_segments[seg.id] = unusable
     try:
         ds = Dataset(
             storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
         )
     except HsstoreError as exc:
         report.problems.append(Problem("file", exc.path or str(path), exc.message))
-        report.seconds = time.perf_counter() - t0
-        return report
+        return
     except OSError as exc:
         report.problems.append(Problem("file", str(exc.filename or path), f"cannot read ({exc})"))
-        report.seconds = time.perf_counter() - t0
-        return report
+        return
+    for seg_id, reason in ds.unreadable.items():
+        report.unreadable_segments.setdefault(seg_id, reason)
 
     reported = {sid for p in report.problems for sid in p.sample_ids}
     sample_bytes = ds.manifest.num_layers * ds.hidden_size * ds.manifest.storage_dtype.itemsize
@@ -148,14 +179,13 @@ def verify(
             report.samples_checked += 1
             if problem is not None and problem.sample_ids[0] not in reported:
                 report.problems.append(problem)
-    report.seconds = time.perf_counter() - t0
-    return report
 
 
-def _check_manifests(storage: Storage, report: VerifyReport) -> Manifest | None:
-    """The dataset's own metadata: group documents, the version history, the latest manifest.
-    Reads the files that make the latest version (a checkpoint and the deltas after it), not
-    the whole history; returns the latest manifest, or None when there is none to check."""
+def _check_manifests(storage: Storage, report: VerifyReport, *, full: bool) -> Manifest | None:
+    """The dataset's own metadata: group documents, the hint, the version history and the
+    latest manifest, with the evidence of lost versions. Reads the files that make the latest
+    version (a checkpoint and the deltas after it) or, with ``full``, every version file and
+    checkpoint; returns the latest manifest, or None when there is none to check."""
 
     def problem(where: str, reason: str) -> None:
         report.problems.append(Problem("manifest", where, reason))
@@ -165,47 +195,131 @@ def _check_manifests(storage: Storage, report: VerifyReport) -> Manifest | None:
         if reason:
             problem(storage.path_of(key), reason)
     try:
-        versions = commit.list_versions(storage)
-    except OSError as exc:
-        problem(storage.root, f"cannot list manifests ({exc.strerror})")
+        names = storage.list(paths.MANIFESTS)
+    except (HsstoreError, OSError) as exc:
+        problem(storage.root, f"cannot list manifests ({exc})")
         return None
+    versions = sorted(v for v in map(paths.manifest_version, names) if v is not None)
+    checkpoints = sorted(v for v in map(paths.checkpoint_version, names) if v is not None)
     if not versions:
         problem(storage.root, "not an hsstore dataset (no committed manifest)")
         return None
     for v in sorted(set(range(versions[0], versions[-1] + 1)) - set(versions)):
         problem(storage.path_of(paths.manifest_key(v)), f"manifest version {v} is missing")
+    hint = history.read_hint(storage)
+    if hint.problem is not None:
+        problem(storage.path_of(paths.LATEST_HINT), hint.problem)
+    elif hint.version is None and versions[-1] > 1:
+        report.notes.append(
+            f"{storage.path_of(paths.LATEST_HINT)}: no version hint (a rollback of the newest "
+            f"versions can then be told only from the segments they committed)"
+        )
     try:
-        commit.check_not_rolled_back(storage, versions[-1])
-        manifest = commit.load_manifest(storage, versions[-1])
+        history.check_not_rolled_back(storage, versions[-1])
+    except HsstoreError as exc:
+        problem(exc.path or storage.root, exc.message)
+    try:
+        manifest = history.fold(storage, versions[-1], checkpoints)
     except HsstoreError as exc:
         problem(exc.path or storage.root, exc.message)
         return None
     except OSError as exc:
-        problem(storage.root, f"cannot read manifest ({exc.strerror})")
+        problem(storage.root, f"cannot read manifest ({exc.strerror or exc})")
         return None
-    for c in commit.list_checkpoints(storage):  # the newest two; older ones are pruned
+    for check in (history.check_hint_matches, history.check_no_lost_commits):
+        try:
+            check(storage, manifest)
+        except HsstoreError as exc:
+            problem(exc.path or storage.root, exc.message)
+    base = max((c for c in checkpoints if c <= versions[-1]), default=versions[0])
+    report.history = (
+        f"latest version {versions[-1]}: read checkpoint {base} and the deltas after it, not "
+        f"the {len(versions)} version files of the history (verify --full reads them all)"
+        if base > versions[0] and not full
+        else f"every version file ({versions[0]}..{versions[-1]}) and checkpoint read"
+    )
+    for c in checkpoints:  # the newest two; older ones are pruned
         reason = _checkpoint_problem(storage, c, manifest)
         if reason:
             problem(storage.path_of(paths.checkpoint_key(c)), reason)
-    if _written_by_format_1(storage, versions[0]):
-        # Format 1 versions are full manifests: each older one must list only segments the
-        # latest still lists (segments are only ever added), or it points at deleted data.
-        latest_ids = {s.id for s in manifest.segments}
-        for v in versions[:-1]:
-            try:
-                older = commit.read_version(storage, v)
-            except HsstoreError as exc:
-                problem(exc.path or storage.root, exc.message)
-                continue
-            if isinstance(older, Manifest):
-                lost = [s.id for s in older.segments if s.id not in latest_ids]
-                if lost:
-                    problem(
-                        storage.path_of(paths.manifest_key(v)),
-                        f"lists {len(lost)} segment(s) the latest version does not "
-                        f"(first: {lost[0]}): committed data was removed",
-                    )
+    if full:
+        _check_every_version(storage, versions, checkpoints, manifest, problem)
+    elif _written_by_format_1(storage, versions[0]):
+        _check_format_1_versions(storage, versions, manifest, problem)
     return manifest
+
+
+def _check_format_1_versions(
+    storage: Storage, versions: list[int], manifest: Manifest, problem: Callable[[str, str], None]
+) -> None:
+    """Format 1 versions are full manifests: each older one must list only segments the latest
+    still lists (segments are only removed by a recorded repair), or it points at lost data."""
+    latest_ids = {s.id for s in manifest.segments}
+    latest_ids |= {r.get("segment") for r in manifest.provenance.get("repairs", [])}
+    for v in versions[:-1]:
+        try:
+            older = commit.read_version(storage, v)
+        except HsstoreError as exc:
+            problem(exc.path or storage.root, exc.message)
+            continue
+        if isinstance(older, Manifest):
+            lost = [s.id for s in older.segments if s.id not in latest_ids]
+            if lost:
+                problem(
+                    storage.path_of(paths.manifest_key(v)),
+                    f"lists {len(lost)} segment(s) the latest version does not "
+                    f"(first: {lost[0]}): committed data was removed",
+                )
+
+
+def _check_every_version(
+    storage: Storage,
+    versions: list[int],
+    checkpoints: list[int],
+    latest: Manifest,
+    problem: Callable[[str, str], None],
+) -> None:
+    """verify --full: read every version file, check each link of the hash chain, and fold the
+    whole history, which must end in the latest version."""
+    state: Manifest | None = None
+    prev: str | None = None
+    for v in range(versions[0], versions[-1] + 1):
+        where = storage.path_of(paths.manifest_key(v))
+        try:
+            doc = commit.read_version(storage, v)
+        except (HsstoreError, OSError) as exc:
+            if not isinstance(exc, NotADatasetError):  # a gap is reported with the listing
+                problem(getattr(exc, "path", None) or where, getattr(exc, "message", str(exc)))
+            state, prev = None, None
+            continue
+        if isinstance(doc, Manifest):
+            state, prev = doc, doc.head_checksum
+            continue
+        if doc.prev is not None and prev is not None and doc.prev != prev:
+            problem(
+                where,
+                f"hash chain broken: names a version {v - 1} with checksum {doc.prev}, but "
+                f"manifests/v{v - 1:08d}.json has {prev} (a version was replaced)",
+            )
+            state = None
+        if state is None:
+            base = v if v in checkpoints else v - 1 if v - 1 in checkpoints else None
+            if base is not None:
+                with contextlib.suppress(HsstoreError, OSError):
+                    state = commit.read_checkpoint(storage, base)
+        if state is not None and state.version == v - 1:
+            try:
+                state = replace(state, head_checksum=None).apply(doc, where=where)
+            except HsstoreError as exc:
+                problem(exc.path or where, exc.message)
+                state = None
+        elif state is not None and state.version == v:
+            state = replace(state, head_checksum=doc.checksum)
+        prev = doc.checksum
+    if state is None:
+        problem(storage.root, "the history cannot be folded up to the latest version")
+    elif state.segments != latest.segments:
+        problem(storage.root, "the history does not fold to the latest version")
 
 
 def _checkpoint_problem(storage: Storage, version: int, latest: Manifest) -> str | None:
@@ -247,8 +361,9 @@ def _group_document_problem(storage: Storage, key: str) -> str | None:
 
 def _check_segment_files(
     reader: SegmentReader, report: VerifyReport, tick: Callable[[int], None]
-) -> bool:
-    """Check every file of one segment; False if its index is unusable (no sample pass)."""
+) -> str | None:
+    """Check every file of one segment; why its index is unusable (then no sample of it can be
+    read, so there is no sample pass), or None."""
     rows_to_ids, index_error = _row_mapper(reader)
     index_file_bad = False
     for relpath, info in reader.info.files.items():
@@ -295,7 +410,13 @@ def _check_segment_files(
         report.problems.append(
             Problem("file", reader.where(paths.INDEX), reason, reader.salvage_sample_ids())
         )
-    return index_error is None
+    if index_error is None:
+        return None
+    return (
+        str(index_error)
+        if isinstance(index_error, HsstoreError)
+        else (f"{reader.where(paths.INDEX)}: cannot read ({index_error})")
+    )
 
 
 def _row_mapper(

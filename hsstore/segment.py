@@ -248,6 +248,8 @@ class SegmentReader:
             size = self.storage.size(self._key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed shard file is missing", path=where) from exc
+        except FormatError as exc:  # a FIFO or device where the shard belongs
+            raise IntegrityError(exc.message, path=where) from exc
         if size != expected.size:
             raise IntegrityError(
                 f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where

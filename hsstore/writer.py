@@ -13,11 +13,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hsstore.errors import BadInputError, ConflictError, DuplicateSampleError, HsstoreError
-from hsstore.format import commit, paths
+from hsstore.errors import (
+    BadInputError,
+    CommitUnknownError,
+    ConflictError,
+    DuplicateSampleError,
+    HsstoreError,
+    SegmentRemovedError,
+)
+from hsstore.format import commit, history, paths
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
-from hsstore.format.manifest import Manifest, SegmentInfo
+from hsstore.format.manifest import Delta, Manifest, SegmentInfo
 from hsstore.segment import SegmentReader
 from hsstore.segment_writer import SegmentWriter, ShardFlusher
 
@@ -88,6 +95,13 @@ class Writer:
         self._skipped: list[dict[str, str]] = []
         self._runs: list[dict[str, Any]] = []
         self._bytes_committed = 0
+        self._ids_of: dict[str, list[str]] = {}  # finished segment -> its sample ids
+        # The commit in progress whose outcome is unknown (segments, ids, skipped), and the
+        # attempt number in this writer's commit token.
+        self._unresolved: (
+            tuple[list[SegmentInfo], set[str], list[dict[str, str]], list[dict[str, Any]]] | None
+        ) = None
+        self._attempt = 0
         self._closed = False
         # A writer dropped without close() must not keep its segments locked until exit.
         self._release_at_gc = weakref.finalize(self, self.leases.release_all)
@@ -134,9 +148,18 @@ class Writer:
             )
         hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
         scale_column = self._validate_scales(sample_id, scales, hid.shape[0], source)
+        if self._unresolved is not None:
+            raise ConflictError(
+                "the last commit's outcome is not known yet: call commit() again first",
+                path=where,
+                sample_id=sample_id,
+            )
         if self._segment is None:
             self._segment = self._new_segment()
-        self._segment.add(sample_id, ids, mask, storage_view(hid), source, scale_column)
+        try:
+            self._segment.add(sample_id, ids, mask, storage_view(hid), source, scale_column)
+        except FileNotFoundError as exc:
+            raise self._segment_gone(exc) from None
         self._new_ids.add(sample_id)
         if self._segment.raw_bytes() >= self.segment_bytes:
             self._finish_segment()
@@ -264,29 +287,44 @@ class Writer:
 
     def _finish_segment(self) -> None:
         if self._segment is not None:
-            self._finished.append(self._segment.finalize())
+            try:
+                info = self._segment.finalize()
+            except FileNotFoundError as exc:
+                raise self._segment_gone(exc) from None
+            self._ids_of[info.id] = self._segment.sample_ids()
+            self._finished.append(info)
             self._segment = None
 
     # -- committing --------------------------------------------------------------------------
     def commit(self) -> Manifest | None:
-        """Publish everything added so far as a new version; returns it (None if nothing new)."""
-        self._finish_segment()
-        if not self._finished and not self._skipped and not self._runs:
-            return None
-        mine = list(self._finished)
-        my_ids = set(self._new_ids)
-        skipped = list(self._skipped)
-        runs = list(self._runs)
-        refused: list[BaseException] = []
+        """Publish everything added so far as a new version; returns it (None if nothing new).
+
+        Exactly one of two outcomes: it returns the version that holds these samples, or it
+        raises and nothing of this commit was published. The one exception is
+        `CommitUnknownError` (the storage never answered whether the version was created):
+        nothing is lost, and calling ``commit()`` again learns the outcome.
+        """
+        if self._unresolved is None:
+            self._finish_segment()
+            if not self._finished and not self._skipped and not self._runs:
+                return None
+            self._unresolved = (
+                list(self._finished),
+                set(self._new_ids),
+                list(self._skipped),
+                list(self._runs),
+            )
+            self._attempt += 1
+        mine, my_ids, skipped, runs = self._unresolved
+        token = f"{self.leases.owner}.{self._attempt}"
+        claimed = {seg.id for seg in mine}
+
+        def refuse_condemned(delta: Delta) -> None:
+            hit = claimed.intersection(delta.condemn)
+            if hit:
+                raise self._removed(hit, mine, None, lapsed=self.leases.lapsed(sorted(hit)))
 
         def build_next(latest: Manifest) -> Manifest:
-            try:
-                return _build_next(latest)
-            except BaseException as exc:
-                refused.append(exc)  # raised before this attempt's put: nothing published
-                raise
-
-        def _build_next(latest: Manifest) -> Manifest:
             # Segments are only ever appended: the ones this writer has not seen are at the end.
             for seg in latest.segments[self._segments_seen :]:
                 if seg.id in self._known_segments:
@@ -309,81 +347,133 @@ class Writer:
                 provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
             if runs:
                 provenance["runs"] = list(provenance.get("runs", [])) + runs
-            # Last step before the conditional create: a fresh lease has a whole ttl to run,
-            # so gc cannot judge these segments dead while the put is in flight.
+            # Last step before the conditional create: fresh leases keep gc from condemning
+            # these segments while the put is in flight.
             self.leases.refresh_now([seg.id for seg in mine])
             return latest.with_segments(
                 latest.segments + tuple(mine), provenance, latest.version + 1
             )
 
         try:
-            published = commit.publish(self.storage, build_next, base=self.manifest)
+            published = commit.publish(
+                self.storage, build_next, token=token, base=self.manifest, claims=refuse_condemned
+            )
+        except CommitUnknownError:
+            raise  # everything is kept as it is: the next commit() resolves it
         except BaseException as exc:
-            if refused and refused[-1] is exc:
-                # Refused before any put of this commit: certainly unpublished.
-                if isinstance(exc, ConflictError):
-                    self.abort()
-                raise
-            # The put itself failed: the version may or may not be in place. A published
-            # segment must never be deleted, so keep the files and let the leases lapse;
-            # gc removes them later if the commit did not land.
-            if self._landed(mine):
-                published = commit.load_manifest(self.storage)
-            else:
-                self._leave_to_gc()
-                raise
+            # publish raised: certainly nothing of this commit was published.
+            self._unresolved = None
+            if isinstance(exc, ConflictError):
+                self.abort()  # a duplicate id or a condemned segment: these cannot go in
+            raise
+        self._unresolved = None
+        damaged = self._damaged(mine)
+        # Evidence of this version in its segments, should its manifest file be lost (read by
+        # open, verify and gc; see hsstore.format.history). Only in intact segments (a mark
+        # would re-create a removed folder); best effort: the commit stands.
+        with contextlib.suppress(HsstoreError, OSError):
+            history.mark_committed(
+                self.storage, published, [seg for seg in mine if seg.id not in damaged]
+            )
         for seg in mine:
             self._bytes_committed += sum(f.size for f in seg.files.values())
-            # After the publish (gc re-reads the manifest after its lease check). A failed
-            # delete only leaves the lease to lapse: the commit itself succeeded.
+            # After the publish (gc condemns only what no version references). A failed delete
+            # only leaves the lease to lapse: the commit itself succeeded.
             with contextlib.suppress(HsstoreError, OSError):
                 self.leases.drop(seg.id)
             self._held.remove(seg.id)
             self._known_segments.add(seg.id)
         self._committed_ids |= my_ids
-        self._new_ids.clear()
-        self._finished.clear()
-        self._skipped.clear()
-        self._runs.clear()
+        self._new_ids -= my_ids
+        self._finished = [seg for seg in self._finished if seg.id not in claimed]
+        self._skipped = self._skipped[len(skipped) :]
+        self._runs = self._runs[len(runs) :]
         self.manifest = published
         self._segments_seen = len(published.segments)
-        self.ds.refresh(to=published)
+        if damaged:
+            raise self._removed(damaged, mine, published.version, lapsed=False)
+        # Published: from here on nothing may turn the commit into an error. A view that
+        # cannot load now (a failed read) is refreshed again on its next use.
+        with contextlib.suppress(HsstoreError, OSError):
+            self.ds.refresh(to=published)
         return published
 
-    def _landed(self, mine: list[SegmentInfo]) -> bool:
-        """Whether the latest version references these segments (a publish that raised late)."""
-        try:
-            latest = commit.load_manifest(self.storage)
-        except Exception:  # noqa: BLE001 - cannot tell: treat as maybe published
-            return False
-        have = {s.id for s in latest.segments}
-        return all(seg.id in have for seg in mine)
+    def _damaged(self, mine: list[SegmentInfo]) -> set[str]:
+        """Segments of a just-published commit whose files are not all there at their sizes
+        (removed by something that ignores the protocol, or a gc run by hand with no regard
+        for leases): one listing per segment."""
+        damaged = set()
+        for seg in mine:
+            try:
+                found = {
+                    o.key.rsplit(f"{seg.id}/", 1)[-1]: o.size
+                    for o in self.storage.walk(paths.segment_dir(seg.id))
+                }
+            except (HsstoreError, OSError):
+                continue  # cannot tell now; verify can
+            if any(found.get(name) != f.size for name, f in seg.files.items()):
+                damaged.add(seg.id)
+        return damaged
 
-    def _leave_to_gc(self) -> None:
-        """Forget uncommitted segments without deleting them (they may be published)."""
+    def _removed(
+        self, segment_ids: set[str], mine: list[SegmentInfo], published: int | None, *, lapsed: bool
+    ) -> SegmentRemovedError:
+        ids = tuple(i for seg in mine if seg.id in segment_ids for i in self._ids_of[seg.id])
+        names = ", ".join(sorted(segment_ids))
+        why = (
+            " (this writer's lease lapsed: it paused or stalled longer than the ttl)"
+            if lapsed
+            else ""
+        )
+        if published is None:
+            what = f"gc condemned segment(s) {names} as debris{why}; nothing was published"
+        else:
+            what = f"version {published} was published, but segment(s) {names} were removed"
+        shown = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
+        return SegmentRemovedError(
+            f"{what}: {len(ids)} sample(s) must be written again ({shown})",
+            path=str(self.ds.path),
+            sample_ids=ids,
+            published=published,
+        )
+
+    def _segment_gone(self, exc: FileNotFoundError) -> SegmentRemovedError:
+        """A write into this writer's open segment found its folder removed (by gc): that
+        segment is dropped, the finished ones stay for the next commit."""
+        segment, self._segment = self._segment, None
         with contextlib.suppress(Exception):
             self._flusher.wait()
-        for seg_id in self._held:
+        ids = tuple(segment.sample_ids()) if segment is not None else ()
+        seg_id = segment.segment_id if segment is not None else "?"
+        if segment is not None:
+            with contextlib.suppress(HsstoreError, OSError):
+                self.storage.delete_tree(paths.segment_dir(seg_id))
             self.leases.drop(seg_id, delete=False)
-        self._held.clear()
-        self._segment = None
-        self._finished.clear()
-        self._new_ids.clear()
-        self._skipped.clear()
-        self._runs.clear()
+            self._held.remove(seg_id)
+            self._new_ids -= set(ids)
+        return SegmentRemovedError(
+            f"segment {seg_id} was removed while this writer was filling it (gc judged it "
+            f"debris: a pause longer than the lease ttl, or gc with a short --grace): "
+            f"{len(ids)} sample(s) not committed ({exc.filename})",
+            path=str(self.ds.path),
+            sample_ids=ids,
+        )
 
     def abort(self) -> None:
         """Drop every segment not yet committed (its files are deleted).
 
-        Only ever called when no put of those segments' manifest has been attempted, or every
-        attempt was refused, so nothing deleted here can be referenced by a version.
+        Segments of a commit whose outcome is unknown (`CommitUnknownError`) are left for gc,
+        which decides from the manifests; every other held segment is certainly unpublished.
         """
         with contextlib.suppress(Exception):
             self._flusher.wait()  # a shard still being written would re-create the folder
+        maybe = {seg.id for seg in self._unresolved[0]} if self._unresolved else set()
+        self._unresolved = None
         self._segment = None
         self._finished.clear()
         for seg_id in self._held:
-            self.storage.delete_tree(paths.segment_dir(seg_id))  # the lease goes with it
+            if seg_id not in maybe:
+                self.storage.delete_tree(paths.segment_dir(seg_id))  # the lease goes with it
             self.leases.drop(seg_id, delete=False)
         self._held.clear()
         self._new_ids.clear()

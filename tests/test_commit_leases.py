@@ -14,7 +14,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.errors import ConflictError
+from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.store import LocalStorage, Storage
@@ -81,8 +81,9 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
 
 
 def test_a_writer_whose_lease_lapsed_never_publishes(location):
-    """gc judged the writer dead while its heartbeat stalled and removed the segment; the
-    writer must then refuse to publish a manifest that would reference missing files."""
+    """gc judged the writer dead while its heartbeat stalled, condemned the segment in a
+    version and removed it; the writer reads that version while catching up and refuses to
+    publish a manifest that would reference missing files, naming the sample."""
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     stalled = threading.Event()
@@ -100,8 +101,9 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
     time.sleep(_lapse_wait(location))
     report = hsstore.gc(location, grace_s=0)
     assert report.removed_segments == [seg_id]
-    with pytest.raises(ConflictError, match="lapsed"):
+    with pytest.raises(SegmentRemovedError, match="condemned.*lease lapsed") as caught:
         w.commit()
+    assert caught.value.sample_ids == ("a",) and caught.value.published is None
     release.set()
     w.close()
     assert len(hsstore.open(location)) == 0 and hsstore.verify(location).ok
@@ -137,21 +139,16 @@ def test_a_publish_that_raised_after_landing_keeps_its_segment(tmp_path):
     assert hsstore.open(root).sample_ids == ["a"] and hsstore.verify(root).ok
 
 
-def test_a_publish_that_failed_leaves_files_for_gc_not_for_abort(tmp_path):
+def test_a_publish_that_failed_before_landing_is_sent_again_not_aborted(tmp_path):
+    """The create never reached the store: the writer finds the version absent and creates
+    the same bytes again (so a first copy stalled on the wire can never land unseen)."""
     root = str(tmp_path / "ds")
     _make(root)
     storage = _PublishFails(root, lands=False)
-    ds = hsstore.open(storage)
-    with pytest.raises(ConnectionResetError), ds.writer(lease_ttl_s=TTL) as w:
+    with hsstore.open(storage).writer(lease_ttl_s=TTL) as w:
         w.add("a", *random_sample(10, 2, 32))
-        w._finish_segment()
-        seg_id = w._finished[0].id
-        w.commit()
-    assert _segment_keys(storage, seg_id), "the writer deleted a segment it tried to publish"
-    assert len(hsstore.open(root)) == 0
-    time.sleep(1.5 * TTL)  # its lease lapses: now it is debris
-    assert hsstore.gc(root, grace_s=0).removed_segments == [seg_id]
-    assert hsstore.verify(root).ok
+    assert not storage.armed  # the fault was injected
+    assert hsstore.open(root).sample_ids == ["a"] and hsstore.verify(root).ok
 
 
 def test_gc_leaves_young_temp_files_alone(tmp_path):

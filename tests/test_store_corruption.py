@@ -141,8 +141,11 @@ def test_corrupted_index_file(tmp_path):
     problems = [p for p in report.problems if str(index) in p.where]
     assert problems and "crc32c" in problems[0].reason
     assert f"{len(LENGTHS)} samples" in problems[0].reason  # the ids themselves live in that file
-    with pytest.raises(hsstore.IntegrityError, match="index.parquet"):
-        hsstore.open(tmp_path / "ds")
+    # The damage stays in that segment: the dataset opens without it and names it.
+    opened = hsstore.open(tmp_path / "ds")
+    seg = ds.manifest.segments[0].id
+    assert len(opened) == 0 and "index.parquet" in opened.unreadable[seg]
+    assert seg in report.unreadable_segments
 
 
 def _latest_manifest(path: Path) -> Path:

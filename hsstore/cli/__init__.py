@@ -17,6 +17,7 @@ _COMMANDS: dict[str, str] = {
     "convert": "hsstore.cli.convert",
     "extract": "hsstore.cli.extract",
     "gc": "hsstore.cli.gc",
+    "repair": "hsstore.cli.repair",
 }
 
 

@@ -43,6 +43,11 @@ def _text(report) -> str:
         f"  checked {report.files_checked} files and {report.samples_checked:,} samples, "
         f"{report.bytes_read / 1e9:.3f} GB in {report.seconds:.2f} s ({report.gb_per_s:.2f} GB/s)"
     )
+    if report.history:
+        lines.append(f"  manifests: {report.history}")
+    lines += [f"  note: {note}" for note in report.notes]
+    for seg_id, why in report.unreadable_segments.items():
+        lines.append(f"  UNREADABLE segment {seg_id}: {why}")
     for p in report.problems:
         ids = ""
         if p.sample_ids:
@@ -68,10 +73,16 @@ def _text(report) -> str:
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Parallel readers (default: one per core).")  # fmt: skip
+@click.option("--full", is_flag=True,
+              help="Also read every older version file and checkpoint (the whole history and "
+                   "its hash chain), not only the files that make the latest version.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @handle_errors
-def command(path: str, workers: int | None, as_json: bool) -> None:
-    """Re-read everything committed in PATH and check every checksum."""
+def command(path: str, workers: int | None, full: bool, as_json: bool) -> None:
+    """Re-read everything committed in PATH and check every checksum.
+
+    Of the manifests it reads those that make the latest version (its checkpoint and the
+    deltas after it); --full reads the whole history."""
     import hsstore
     from hsstore.errors import HsstoreError, NotADatasetError
 
@@ -83,7 +94,7 @@ def command(path: str, workers: int | None, as_json: bool) -> None:
         pass  # damaged: verify reports exactly what is wrong
     bar, progress = _progress_bar(None)
     try:
-        report = hsstore.verify(path, workers=workers, progress=progress)
+        report = hsstore.verify(path, workers=workers, progress=progress, full=full)
     finally:
         bar.close()
     if as_json:

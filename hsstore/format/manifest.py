@@ -47,8 +47,9 @@ FORMAT_VERSION = 3
 # without a checksum (see FORMAT.md).
 
 # Provenance lists a commit may append to (and nothing else of the provenance may change):
-# inputs a converter left out, and the start and end records of extraction runs.
-APPENDED_PROVENANCE = ("skipped", "runs")
+# inputs a converter left out, the start and end records of extraction runs, and what a
+# repair dropped or restored.
+APPENDED_PROVENANCE = ("skipped", "runs", "repairs")
 
 # A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
 # nest, so a hostile or damaged one cannot make a reader recurse without limit.
@@ -176,6 +177,9 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, str] = field(default_factory=lambda: dict(COLUMN_DTYPES))
     format_version: int = FORMAT_VERSION
+    # The checksum of this version's own file (``manifests/v{version}.json``): the link the
+    # next delta's ``prev`` names (None where it is not known, e.g. folded from a checkpoint).
+    head_checksum: str | None = field(default=None, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -263,32 +267,43 @@ class Manifest:
             version=version,
             committed_at=now_iso(),
             format_version=FORMAT_VERSION,
+            head_checksum=None,
         )
 
     def delta_to(self, nxt: Manifest) -> Delta:
-        """The delta that turns this version into ``nxt`` (which only adds to it)."""
-        n = len(self.segments)
-        added = {}
+        """The delta that turns this version into ``nxt``, which adds segments and skipped
+        inputs and may remove segments (a repair), recording each removal in ``repairs``."""
+        new_ids = {s.id for s in nxt.segments}
+        kept = tuple(s for s in self.segments if s.id in new_ids)
+        removed = tuple(s.id for s in self.segments if s.id not in new_ids)
+        n = len(kept)
+        appended = {}
         for key in APPENDED_PROVENANCE:
             old, new = self.provenance.get(key, []), nxt.provenance.get(key, [])
             if new[: len(old)] != old:
                 raise FormatError(f"a commit may only append to provenance.{key}")
-            added[key] = tuple(new[len(old) :])
+            appended[key] = tuple(new[len(old) :])
         if (
             nxt.version != self.version + 1
-            or nxt.segments[:n] != self.segments
-            or {k: v for k, v in nxt.provenance.items() if k not in APPENDED_PROVENANCE}
-            != {k: v for k, v in self.provenance.items() if k not in APPENDED_PROVENANCE}
+            or nxt.segments[:n] != kept
+            or (removed and len(appended["repairs"]) == 0)
+            or _unappended(nxt.provenance) != _unappended(self.provenance)
             or _fixed_part(nxt) != _fixed_part(self)
         ):
-            raise FormatError("a commit may only add segments, skipped inputs and run records")
+            raise FormatError(
+                "a commit may only add segments, skipped inputs and run records, or remove "
+                "segments it records as dropped"
+            )
         return Delta(
             version=nxt.version,
             dataset_id=self.dataset_id,
             committed_at=nxt.committed_at,
             add_segments=nxt.segments[n:],
-            add_skipped=added["skipped"],
-            add_runs=added["runs"],
+            add_skipped=appended["skipped"],
+            add_runs=appended["runs"],
+            prev=self.head_checksum,
+            remove_segments=removed,
+            add_repairs=appended["repairs"],
         )
 
     def apply(self, delta: Delta, *, where: str) -> Manifest:
@@ -301,9 +316,33 @@ class Manifest:
             raise FormatError(
                 f"delta is version {delta.version}, expected {self.version + 1}", path=where
             )
-        _check_unique_segments(self.segments, delta.add_segments, where=where)
+        if (
+            delta.prev is not None
+            and self.head_checksum is not None
+            and delta.prev != self.head_checksum
+        ):
+            raise IntegrityError(
+                f"hash chain broken: this delta follows a version {self.version} whose file had "
+                f"checksum {delta.prev}, but manifests/v{self.version:08d}.json has "
+                f"{self.head_checksum} (a version was replaced)",
+                path=where,
+            )
+        segments = self.segments
+        if delta.remove_segments:
+            gone = set(delta.remove_segments)
+            unknown = gone - {s.id for s in segments}
+            if unknown:
+                raise FormatError(
+                    f"delta removes segment {sorted(unknown)[0]}, which is not listed", path=where
+                )
+            segments = tuple(s for s in segments if s.id not in gone)
+        _check_unique_segments(segments, delta.add_segments, where=where)
         provenance = self.provenance
-        for key, added in (("skipped", delta.add_skipped), ("runs", delta.add_runs)):
+        for key, added in (
+            ("skipped", delta.add_skipped),
+            ("runs", delta.add_runs),
+            ("repairs", delta.add_repairs),
+        ):
             if added:
                 provenance = dict(provenance)
                 provenance[key] = list(provenance.get(key, [])) + list(added)
@@ -311,9 +350,10 @@ class Manifest:
             self,
             version=delta.version,
             committed_at=delta.committed_at,
-            segments=self.segments + delta.add_segments,
+            segments=segments + delta.add_segments,
             provenance=provenance,
             format_version=FORMAT_VERSION,
+            head_checksum=delta.checksum,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -425,9 +465,22 @@ class Delta:
     add_segments: tuple[SegmentInfo, ...]
     add_skipped: tuple[dict[str, str], ...] = ()
     add_runs: tuple[dict[str, Any], ...] = ()  # appended to provenance.runs (hsstore.format.runs)
+    # The committer's identity (writer and attempt): how a writer whose request's outcome is
+    # unknown recognises its own version when it reads it back.
+    commit: str | None = None
+    # Unreferenced segments gc is about to remove (gc's own versions): a writer that finds one
+    # of its segments here refuses to publish it (see hsstore.format.commit).
+    condemn: tuple[str, ...] = ()
+    # The hash chain: the checksum of the previous version's file (None: not recorded).
+    prev: str | None = None
+    # A repair: segments this version no longer lists, each recorded in ``add_repairs``.
+    remove_segments: tuple[str, ...] = ()
+    add_repairs: tuple[dict[str, Any], ...] = ()
+    # This delta's own file checksum, once sealed or read (not part of its JSON).
+    checksum: str | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        obj = {
+        obj: dict[str, Any] = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "kind": "delta",
@@ -439,6 +492,16 @@ class Delta:
         }
         if self.add_runs:  # written only when there are some: most commits add none
             obj["add_runs"] = list(self.add_runs)
+        if self.commit is not None:
+            obj["commit"] = self.commit
+        if self.condemn:
+            obj["condemn"] = list(self.condemn)
+        if self.prev is not None:
+            obj["prev"] = self.prev
+        if self.remove_segments:
+            obj["remove_segments"] = list(self.remove_segments)
+        if self.add_repairs:
+            obj["add_repairs"] = list(self.add_repairs)
         return obj
 
     def to_bytes(self) -> bytes:
@@ -455,7 +518,17 @@ class Delta:
             add_segments=segments,
             add_skipped=tuple(obj["add_skipped"]),
             add_runs=tuple(obj.get("add_runs", ())),
+            commit=obj.get("commit"),
+            condemn=tuple(obj.get("condemn", ())),
+            prev=obj.get("prev"),
+            remove_segments=tuple(obj.get("remove_segments", ())),
+            add_repairs=tuple(obj.get("add_repairs", ())),
+            checksum=obj.get("checksum"),
         )
+
+
+def _unappended(provenance: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in provenance.items() if k not in APPENDED_PROVENANCE}
 
 
 def _fixed_part(man: Manifest) -> Manifest:
@@ -513,7 +586,7 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
         raise FormatError("manifest has no checksum (format 2 requires one)", path=where)
     if obj.get("kind") == "delta":
         return Delta.from_json(obj, where=where)
-    return Manifest.from_json(obj, where=where)
+    return replace(Manifest.from_json(obj, where=where), head_checksum=stored)
 
 
 def _check_nesting(obj: Any, *, where: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import uuid
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,7 +35,7 @@ from obstore.exceptions import (
 from obstore.store import ObjectStore, from_url
 
 from hsstore.errors import StorageError
-from hsstore.format.store import ObjectInfo, Storage
+from hsstore.format.store import ObjectInfo, Storage, holds
 from hsstore.format.store_cache import LocalCache
 
 T = TypeVar("T")
@@ -43,9 +43,11 @@ T = TypeVar("T")
 # Objects this big go up in parts (never visible until the last part is in).
 MULTIPART_BYTES = 16 << 20
 PART_BYTES = 8 << 20
+# How often a create that got no answer at all (a broken connection) is sent again.
+CREATE_ATTEMPTS = 4
+UNREACHABLE = "cannot reach the storage endpoint"
 # A read longer than two of these is split into concurrent ranged GETs.
 SPLIT_BYTES = 1 << 20
-CLOCK_PREFIX = ".hsstore-clock"
 
 
 def _retry_config() -> dict[str, object]:
@@ -147,7 +149,7 @@ class ObjectStorage(Storage):
                 ) from None
             if status is None:
                 raise StorageError(
-                    f"cannot reach the storage endpoint ({_reason(exc)})", path=self.path_of(key)
+                    f"{UNREACHABLE} ({_reason(exc)})", path=self.path_of(key)
                 ) from None
             raise StorageError(
                 f"storage request failed (HTTP {status}{', ' + code if code else ''})",
@@ -272,8 +274,10 @@ class ObjectStorage(Storage):
         else:
             body = parts[0] if len(parts) == 1 else b"".join(parts)
             # Segment files have writer-unique names: create mode turns a (never expected)
-            # name clash into an error instead of an overwrite.
-            self._call(key, lambda: obstore.put(self._store, key, body, mode="create"))
+            # name clash into an error instead of an overwrite. A clash with our own bytes is
+            # a resent request whose first reply was lost: the file is in place.
+            if not self.put_if_absent(key, body):
+                raise StorageError("another object already has this name", path=self.path_of(key))
         return size
 
     def sync(self, keys: Iterable[str]) -> None:
@@ -284,10 +288,19 @@ class ObjectStorage(Storage):
             try:
                 obstore.put(self._store, key, data, mode="create")
             except (AlreadyExistsError, PreconditionError):
-                return False  # 412: another writer created it first
+                return False  # 412: the name exists (another writer's, or our own resent)
             return True
 
-        return self._call(key, create)
+        # A create is idempotent here (our own bytes count as created), so one whose
+        # connection broke after it was sent, which obstore does not resend, is sent again.
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                return self._call(key, create) or holds(self, key, data)
+            except StorageError as exc:
+                if attempt == CREATE_ATTEMPTS - 1 or not exc.message.startswith(UNREACHABLE):
+                    raise
+                time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def put(self, key: str, data: bytes) -> None:
         self._call(key, lambda: obstore.put(self._store, key, data, mode="overwrite"))
@@ -307,15 +320,6 @@ class ObjectStorage(Storage):
                 # writer cleaning up); S3's skip it. Then one key at a time, missing ones skipped.
                 for key in batch:
                     self.delete(key)
-
-    def now(self) -> float:
-        """The server's clock: write a tiny object and read its modification time."""
-        key = f"{CLOCK_PREFIX}/{uuid.uuid4().hex}"
-        self.put(key, b"")
-        try:
-            return self.stat(key).modified
-        finally:
-            self.delete(key)
 
     def check_root(self) -> None:
         """Nothing to check before the first request (a missing dataset shows as no manifest)."""

@@ -13,6 +13,9 @@ STATES = "states"
 INDEX = "index.parquet"
 STATS = "stats.json"
 WRITING_LOCK = ".writing"
+# Written into a segment after the version that added it was published: evidence that a
+# committed version existed, should its manifest file be lost (not part of the data).
+COMMITTED_MARK = ".committed"
 # The per-token columns beside the states; SCALES only in datasets of a scaled dtype (fp8).
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 SCALES = "scales"
@@ -56,6 +59,14 @@ def shard_of(relpath: str) -> int | None:
     """The shard number of a segment-relative shard path, or None for any other name."""
     m = _SHARD_RE.match(relpath)
     return int(m.group(1)) if m else None
+
+
+_SEGMENT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def is_segment_id(name: str) -> bool:
+    """Whether a name under segments/ can be a segment (32 lowercase hex digits)."""
+    return _SEGMENT_ID_RE.match(name) is not None
 
 
 def segment_dir(segment_id: str) -> str:

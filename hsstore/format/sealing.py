@@ -31,3 +31,9 @@ def checksum_matches(data: bytes, stored: str) -> bool:
     if tail is None or tail.group(1).decode() != stored:
         return False  # not in sealed form: edited (or re-formatted) by hand
     return xxhash.xxh3_64_hexdigest(text[:-_TAIL_LEN] + b"}") == stored
+
+
+def sealed_checksum(data: bytes) -> str | None:
+    """The checksum a sealed file carries in its tail (None when the bytes are not sealed)."""
+    tail = _CHECKSUM_TAIL.match(data.rstrip(b"\n")[-_TAIL_LEN:])
+    return tail.group(1).decode() if tail else None

@@ -15,18 +15,20 @@ import contextlib
 import mmap
 import os
 import shutil
+import stat
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsstore.errors import NotADatasetError
+from hsstore.errors import FormatError, NotADatasetError
 
 # URL schemes obstore serves; anything else with "://" is refused rather than taken for a path.
 TEMP_PREFIX = ".tmp-"
+# Where `Storage.now` writes its probe objects (at the dataset root, outside the format's files).
+CLOCK_PREFIX = ".hsstore-clock"
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:
-        """Atomically create ``key`` with ``data``; False if it already exists."""
+        """Atomically create ``key`` with ``data``. True when created, or when ``key`` already
+        holds exactly ``data`` (the request was resent after its reply was lost, and the
+        server refused the second copy); False when another object holds the name."""
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
@@ -131,8 +135,17 @@ class Storage(abc.ABC):
         """Every object under the folder ``prefix``, at any depth."""
 
     def now(self) -> float:
-        """The current time on the storage's clock (compare it with `ObjectInfo.modified`)."""
-        return time.time()
+        """The current time on the storage's clock (compare it with `ObjectInfo.modified`):
+        the modification time of a tiny object written for the purpose. On a shared filesystem
+        that is the clock of whoever stamps mtimes (the file server, or the writing kernel), the
+        same one that stamped every lease and segment file, never this process's `time.time()`,
+        which may run minutes apart on another machine."""
+        key = f"{CLOCK_PREFIX}/{uuid.uuid4().hex}"
+        self.put(key, b"")
+        try:
+            return self.stat(key).modified
+        finally:
+            self.delete(key)
 
     @abc.abstractmethod
     def check_root(self) -> None:
@@ -201,7 +214,8 @@ class LocalStorage(Storage):
         return os.path.join(self.root, key)
 
     def read_bytes(self, key: str) -> bytes:
-        with open(self._abs(key), "rb") as f:
+        fd = _open_regular(self._abs(key))
+        with open(fd, "rb", closefd=True) as f:
             return f.read()
 
     def _open_fd(self, key: str) -> int:
@@ -214,7 +228,7 @@ class LocalStorage(Storage):
                 self._fds, self._evicted, self._pid = OrderedDict(), {}, os.getpid()
             entry = self._fds.get(key)
             if entry is None:
-                entry = self._fds[key] = [os.open(self._abs(key), os.O_RDONLY), 0]
+                entry = self._fds[key] = [_open_regular(self._abs(key)), 0]
                 while len(self._fds) > self._max_open:
                     _, (old, users) = self._fds.popitem(last=False)
                     if users:
@@ -348,7 +362,11 @@ class LocalStorage(Storage):
         return n + super().read_scatter(key, offset + n, rest)
 
     def size(self, key: str) -> int:
-        return os.stat(self._abs(key)).st_size
+        st = os.stat(self._abs(key))
+        if not stat.S_ISREG(st.st_mode):
+            what = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise FormatError(f"is {what} where a dataset file belongs", path=self._abs(key))
+        return st.st_size
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._abs(key))
@@ -365,11 +383,19 @@ class LocalStorage(Storage):
     def put(self, key: str, data: bytes) -> None:
         path = self._abs(key)
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        for attempt in range(_TEMP_ATTEMPTS):
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+            try:
+                with open(tmp, "xb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                # The temp file (or its folder) was removed meanwhile, by a gc run told to take
+                # young temp files (``--grace 0``): write it again.
+                if attempt == _TEMP_ATTEMPTS - 1:
+                    raise
 
     def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
         path = self._abs(key)
@@ -398,23 +424,29 @@ class LocalStorage(Storage):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._abs(key)
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-        with _naming(path), open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        finally:
-            # gc leaves young temp files alone (see commit.gc); tolerate one removed anyway, so
-            # a published version never reports failure.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_dir(folder)
-        return True
+        for attempt in range(_TEMP_ATTEMPTS):
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+            try:
+                with _naming(path), open(tmp, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, path)
+            except FileExistsError:
+                return holds(self, key, data)
+            except FileNotFoundError:
+                # The temp file was removed before its link (a gc told to take young temp
+                # files, ``--grace 0``): nothing was created, so write it again.
+                if attempt == _TEMP_ATTEMPTS - 1:
+                    raise
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            _fsync_dir(folder)
+            return True
+        raise AssertionError("unreachable")
 
     def list(self, prefix: str) -> list[str]:
         try:
@@ -460,6 +492,46 @@ class LocalStorage(Storage):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+
+
+# How often a local write starts again when its temp file was removed under it.
+_TEMP_ATTEMPTS = 5
+
+
+def holds(storage: Storage, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data``: a create refused because the name exists was
+    then our own (a resent request whose first reply was lost), or another writer's."""
+    try:
+        return storage.read_bytes(key) == data
+    except FileNotFoundError:
+        return False
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``. Opened without blocking and
+    checked, so a FIFO or device where a dataset file belongs is refused instead of hanging the
+    reader, and a directory gets one clear message instead of a raw IsADirectoryError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except IsADirectoryError:
+        raise FormatError("is a directory where a dataset file belongs", path=path) from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        what = _FILE_KINDS.get(kind, "not a regular file")
+        raise FormatError(f"is {what} where a dataset file belongs", path=path)
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+_FILE_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 @contextlib.contextmanager
