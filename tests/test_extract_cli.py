@@ -153,14 +153,15 @@ def test_inspect_passes(reference):
 
 
 def test_rerun_redoes_nothing(setup, reference):
-    """A re-run (here with another worker count: ownership differs, ids do not) adds nothing."""
+    """A re-run (here with another worker count: ownership differs, ids do not) adds no sample;
+    what it commits is only its own start and finish records."""
     from click.testing import CliRunner
 
     from hsstore.cli import main
 
     root, model, data = setup
     out, _ = reference
-    before = hsstore.open(out).manifest.version
+    before = hsstore.open(out).manifest
     args = extract_args(model, data, out)
     args[args.index("--workers") + 1] = "1"
     result = CliRunner().invoke(main, args)
@@ -168,7 +169,10 @@ def test_rerun_redoes_nothing(setup, reference):
     summary = json.loads(result.output)
     assert summary["samples_written"] == 0
     assert summary["samples_already_present"] == N_ROWS - 1
-    assert hsstore.open(out).manifest.version == before
+    after = hsstore.open(out).manifest
+    assert after.segments == before.segments
+    added = after.provenance.get("runs", [])[len(before.provenance.get("runs", [])) :]
+    assert [r["event"] for r in added] == ["started", "finished"]
 
 
 def test_kill_9_then_restart_equals_uninterrupted_run(setup, reference):
