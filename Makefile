@@ -1,12 +1,12 @@
 # Two commands on a fresh machine: `make demo` runs the built-in example, `make test` runs the
-# linter, the test suite and the SGLang lane (what CI runs). Each creates .venv on first use; the
-# lane builds its own environment once (scripts/sglang_env.sh).
+# linter, the test suite and the transformers-release lane (what CI runs). Each creates .venv on
+# first use. `make test-sglang` runs the SGLang lane in its own environment (scripts/sglang_env.sh).
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_OUT := demo_out
 
-.PHONY: demo test schemas
+.PHONY: demo test test-sglang schemas
 
 # Re-run the installer when the dependencies or the installer change.
 $(INSTALLED): pyproject.toml scripts/install.sh
@@ -22,6 +22,9 @@ test: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 	bash scripts/test_transformers_versions.sh
+
+# The real sglang 0.5.23 engine on CPU, in its own cached environment (not yet part of `test`).
+test-sglang: $(INSTALLED)
 	bash scripts/test_sglang_lane.sh
 
 # The top-level schemas/ is the published copy and the one to edit; the code reads the copy
