@@ -45,12 +45,13 @@ class FollowTimeoutError(HsstoreError):
 
 @dataclass(frozen=True)
 class FollowConfig:
-    """How a following loader cuts the first pass into windows and waits for them."""
+    """How a following loader cuts the first pass into windows and waits for them (built
+    from ``LoaderOptions``' follow_* options, which hold the defaults)."""
 
-    window: int = 256  # a window is cut once this many new samples are committed
-    until: int | None = None  # the first pass ends after this many samples (None: at completion)
-    poll_s: float = 0.5  # how often to look for a new version while waiting
-    timeout_s: float | None = None  # give up after this long without a new version
+    window: int  # a window is cut once this many new samples are committed
+    until: int | None  # the first pass ends after this many samples (None: at completion)
+    poll_s: float  # how often to look for a new version while waiting
+    timeout_s: float | None  # give up after this long without a new version
 
     def __post_init__(self) -> None:
         if self.window < 1:

@@ -30,6 +30,7 @@ from hsstore.errors import BadInputError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
+from hsstore.loader.options import LoaderOptions, shows_options
 from hsstore.loader.partition import rank_batches
 from hsstore.loader.plan import global_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
@@ -154,17 +155,19 @@ class Loader(PlannedEpochs):
     threads now rather than when the Loader is garbage collected.
     """
 
+    @shows_options
     def __init__(
         self,
         dataset: Any,
+        options: LoaderOptions | None = None,
         *,
         device: str | torch.device | None = None,
         num_threads: int = 4,
         prefetch: int = 2,
         workers: int = 0,
-        **options: Any,
+        **overrides: Any,
     ):
-        super().__init__(dataset, **options)
+        super().__init__(dataset, options, **overrides)
         if num_threads < 1 or prefetch < 1 or workers < 0:
             raise ValueError("need num_threads >= 1, prefetch >= 1 and workers >= 0")
         self.device = resolve_device(device)
