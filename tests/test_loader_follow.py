@@ -10,8 +10,12 @@ the version history, so a run that starts later from the same version plans the 
 
 from __future__ import annotations
 
+import multiprocessing
+import subprocess
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +29,7 @@ from hsstore.loader import Loader, PlannedBatchSampler
 from hsstore.loader.follow import FollowTimeoutError
 from hsstore.loader.partition import rank_batches
 
+ROOT = Path(__file__).resolve().parents[1]
 H = 8
 MAX_TOKENS = 24
 JOB = {"input": "p.jsonl", "input_bytes": 1, "input_sha256": "0" * 64, "limit": None,
@@ -231,6 +236,41 @@ def test_follow_sees_each_sample_once_resumes_on_any_world_size(tmp_path):
     order = [s for e, g, rep, ss in sorted(x for r in whole for x in r) if e == 0 and not rep
              for s in ss]  # fmt: skip
     assert order != sorted(order)
+    for ld in three:
+        ld.close()
+
+
+def test_follow_with_worker_processes_sees_each_sample_once(tmp_path):
+    path = tmp_path / "ds"
+    new_dataset(path)
+    add_samples(path, 0, 6, commit_every=6)
+    start = hsstore.open(path).manifest.version
+    # The extraction is another process: the loaders' workers are forked while it writes.
+    code = ("import sys; from tests.test_loader_follow import add_samples, record_finished; "
+            "add_samples(sys.argv[1], 6, 47, 3); record_finished(sys.argv[1])")  # fmt: skip
+    writer = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=ROOT)
+    try:
+        first = [follower(path, 2, r, start, workers=2) for r in range(2)]
+        head = lockstep(first, steps=3)
+        state = first[0].state_dict()
+        for ld in first:
+            ld.close()
+        assert multiprocessing.active_children() == []
+        # Resumed on 3 ranks of 2 workers each, to the end of epoch 1 (workers over fixed data).
+        three = [follower(path, 3, r, start, workers=2) for r in range(3)]
+        for ld in three:
+            ld.load_state_dict(state)
+        rest = lockstep(three, epochs=2)
+    finally:
+        assert writer.wait(60) == 0
+    for epoch in (0, 1):
+        seen = real([*head, *rest], epoch)
+        assert sorted(seen) == list(range(47)) and set(seen.values()) == {1}, epoch
+    # The same batches at the same global positions as 3 ranks decoding with threads.
+    whole = lockstep([follower(path, 3, r, start) for r in range(3)], epochs=2)
+    for epoch in (0, 1):
+        want, got = by_global(whole, epoch), by_global(rest, epoch)
+        assert got and all(want[g] == ss for g, ss in got.items()), epoch
     for ld in three:
         ld.close()
 

@@ -131,6 +131,16 @@ class FirstPass:
         self._lock = threading.Lock()
         self._scan: Manifest | None = None  # the version the rule has read up to
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a DataLoader worker process gets: the windows decided so far. It plans them,
+        and reads the versions after them, itself; the window rule being a function of the
+        history, it cuts the same windows as every other process."""
+        state = FollowState(self.state.start_version, list(self.state.windows), self.state.done)
+        return {"source": self.source, "cfg": self.cfg, "follow": self.follow, "state": state}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(d["source"], d["cfg"], d["follow"], d["state"])  # type: ignore[misc]
+
     @classmethod
     def start(
         cls, source: DatasetSource, cfg: PlanConfig, follow: FollowConfig, version: int
