@@ -9,9 +9,20 @@ On the tiny random Llama (``hsstore.demo_model``), in one run, each way in its o
   first pass, when the extraction has recorded that it is complete.
 
 Both are timed from the start of the extraction to the end of the trainer's first pass
-(every sample trained on once), process start-up included. ``first_step_s``: from the start
-of the extraction to the following trainer's first batch. The two ways alternate over
-``--rounds`` rounds; the best of each is kept (a shared machine disturbs single runs).
+(every sample trained on once), process start-up and exit included. ``first_step_s``: from
+the start of the extraction to the following trainer's first batch. The two ways alternate
+over ``--rounds`` rounds; the best of each is kept (a shared machine disturbs single runs).
+
+Both ways do the same work: the same extraction (batches of 4 prompts on the CPU, a commit
+every ``--commit-every`` samples), the same trainer options, one epoch. Following can only
+hide what overlaps: with extraction time E and training time T, sequential takes E + T and
+following about max(E, T) plus the last window's steps. The balance is set by the trainer's
+draft steps: 7 (``--ttt-steps``, the TTT length EAGLE-3 and SpecForge train with), which
+makes the tiny drafter's epoch about as long as the tiny target's extraction. That is the
+balance of a real run: for an 8B target, extraction (one forward of 32 layers) and a TTT-7
+step of its one-layer drafter (seven unrolled steps, forward and backward, through a 32k
+draft head) cost about the same per token. Each round prints E and T as the sequential
+way measured them.
 
     python tools/bench_follow.py                 # 96 prompts, 2 rounds, about two minutes
     python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
@@ -68,7 +79,7 @@ def extract(model: Path, data: Path, out: Path, commit_every: int) -> subprocess
 def train(model: Path, data: Path, run: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", "--data", str(data),
            "--target", str(model), "--out", str(run), "--steps", "100000", "--epochs", "1",
-           "--max-tokens", "256", "--ttt-steps", "3", "--draft-vocab-size", "256",
+           "--max-tokens", "256", "--ttt-steps", "7", "--draft-vocab-size", "256",
            "--num-threads", "1", "--log-every", "100000", "--device", "cpu", *extra]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if r.returncode != 0:
@@ -82,14 +93,16 @@ def finish(proc: subprocess.Popen[str]) -> None:
         raise SystemExit(f"extraction failed: {err[-2000:]}")
 
 
-def sequential(model: Path, prompts: Path, work: Path, commit_every: int) -> float:
+def sequential(model: Path, prompts: Path, work: Path, commit_every: int) -> tuple[float, float]:
+    """(wall time, of which extraction)."""
     out = work / "seq"
     t0 = time.time()
     finish(extract(model, prompts, out, commit_every))
+    extracted = time.time() - t0
     summary = train(model, out, work / "seq-run")
     wall = time.time() - t0
     assert summary["steps"] > 0
-    return wall
+    return wall, extracted
 
 
 def following(
@@ -123,13 +136,15 @@ def main() -> None:
         for r in range(args.rounds):
             for path in ("seq", "seq-run", "follow", "follow-run"):
                 shutil.rmtree(work / path, ignore_errors=True)
-            seq.append(sequential(model, prompts, work, args.commit_every))
+            seq_wall, extracted = sequential(model, prompts, work, args.commit_every)
+            seq.append(seq_wall)
             wall, first_s, steps = following(model, prompts, work, args.commit_every, args.window)
             fol.append(wall)
             first.append(first_s)
             print(
-                f"round {r}: sequential {seq[-1]:.1f} s, following {wall:.1f} s "
-                f"(first step after {first_s:.1f} s, {steps} steps)",
+                f"round {r}: sequential {seq_wall:.1f} s (extract {extracted:.1f} s, then train "
+                f"{seq_wall - extracted:.1f} s), following {wall:.1f} s (first step after "
+                f"{first_s:.1f} s, {steps} steps)",
                 flush=True,
             )
         print(f"prompts {args.prompts}, best of {args.rounds}: sequential {min(seq):.1f} s, "

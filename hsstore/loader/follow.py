@@ -39,6 +39,9 @@ from hsstore.loader.plan import PlanConfig, global_plan
 __all__ = ["WAIT", "FirstPass", "FollowConfig", "FollowState", "rank_len", "rank_steps"]
 
 
+FIRST_POLL_S = 0.02  # a wait for a new version first looks again after this long
+
+
 class FollowTimeoutError(HsstoreError):
     """No new version for ``follow_timeout_s`` while the extraction is not complete."""
 
@@ -50,7 +53,7 @@ class FollowConfig:
 
     window: int  # a window is cut once this many new samples are committed
     until: int | None  # the first pass ends after this many samples (None: at completion)
-    poll_s: float  # how often to look for a new version while waiting
+    poll_s: float  # the longest pause between two looks for a new version while waiting
     timeout_s: float | None  # give up after this long without a new version
 
     def __post_init__(self) -> None:
@@ -167,17 +170,24 @@ class FirstPass:
         self._plan_known()
         return g < self._num_planned() or self.state.done
 
-    def wait(self, g: int, stop: threading.Event | None = None) -> bool:
+    def wait(self, g: int, stop: Any = None) -> bool:
         """True once batch ``g`` of the pass exists; False if the pass ended before it (or the
-        wait was stopped). Reads new versions every ``poll_s`` meanwhile."""
+        wait was stopped: ``stop`` is a threading or multiprocessing Event).
+
+        Looks for a new version after ``FIRST_POLL_S``, then twice as long each time, up to
+        ``poll_s``: an extraction commits at a steady pace, so most waits end soon after they
+        begin, and a commit is seen within about the time already waited for it rather than
+        up to a whole ``poll_s`` late.
+        """
         waited_since = time.monotonic()
+        pause = FIRST_POLL_S
         while True:
             if self.ready(g):
                 return g < self._num_planned()
             if stop is not None and stop.is_set():
                 return False
             if self._poll():
-                waited_since = time.monotonic()
+                waited_since, pause = time.monotonic(), FIRST_POLL_S
                 continue
             timeout = self.follow.timeout_s
             if timeout is not None and time.monotonic() - waited_since > timeout:
@@ -186,10 +196,12 @@ class FirstPass:
                     f"its completion (following from version {self.state.start_version})",
                     path=self.source.path,
                 )
+            pause = min(pause, self.follow.poll_s)
             if stop is not None:
-                stop.wait(self.follow.poll_s)
+                stop.wait(pause)
             else:
-                time.sleep(self.follow.poll_s)
+                time.sleep(pause)
+            pause *= 2
 
     def batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         k = int(np.searchsorted(self._ends, g, side="right"))
@@ -301,7 +313,7 @@ def rank_steps(
     tail: str,
     start: int,
     step: int,
-    stop: threading.Event | None = None,
+    stop: Any = None,
 ) -> Iterator[tuple[int, int, bool] | object]:
     """``(step, global batch, repeat)`` of rank ``rank`` from position ``start`` and its own
     ``step`` on, as the batches come into existence; ``WAIT`` before it would block.
