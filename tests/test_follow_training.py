@@ -210,7 +210,7 @@ def test_trainer_follows_two_extractions_killed_and_resumed_on_1_and_3_ranks(
         assert proc.returncode == 0, err
     n = len(hsstore.open(s3_url))
     assert n == N_PROMPTS
-    state = load_trainer_state(run / "checkpoint")
+    state = load_trainer_state(find_checkpoint(run))  # .old if the kill fell between renames
     k, loader_state = state["step"], state["loader"]
     assert loader_state["world_size"] == 2 and loader_state["position"] == 2 * k
     a = _log(tmp_path / "a", 2)
