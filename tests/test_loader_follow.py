@@ -26,7 +26,7 @@ from hsstore import LayerSpec
 from hsstore.errors import LoaderStateError
 from hsstore.format.runs import completion, run_record
 from hsstore.loader import Loader, PlannedBatchSampler
-from hsstore.loader.follow import FollowTimeoutError
+from hsstore.loader.follow import FollowTimeoutError, ids_crc
 from hsstore.loader.partition import rank_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,6 +226,9 @@ def test_follow_sees_each_sample_once_resumes_on_any_world_size(tmp_path):
         assert sorted(seen) == list(range(61)) and set(seen.values()) == {1}, epoch
     windows = three[0].state_dict()["follow"]["windows"]
     assert len(windows) >= 4 and windows[-1][1] == 61 and three[0].state_dict()["follow"]["done"]
+    # Each window's CRC, run on from the last one's, is that of all the ids up to its end.
+    ids = hsstore.open(path).index.column("sample_id").to_pylist()
+    assert all(crc == ids_crc(ids[:end]) for _version, end, crc in windows)
     # Planned afresh on the finished dataset from the same start version: the same windows,
     # and at 3 ranks the same batches at every global position the resumed run had.
     whole = lockstep([follower(path, 3, r, start) for r in range(3)], epochs=2)

@@ -114,8 +114,13 @@ class FollowState:
             raise LoaderStateError(f"loader state has a malformed follow record ({exc})") from None
 
 
-def ids_crc(sample_ids: list[str]) -> int:
-    return zlib.crc32("\x00".join(sample_ids).encode())
+def ids_crc(sample_ids: list[str], after: int | None = None) -> int:
+    """CRC-32 of the sample ids joined by NUL. ``after``: the CRC of the ids before these,
+    which the CRC runs on from (a window's CRC from the last one's, without rereading all
+    the ids before it: that would cost O(samples) Python work per window)."""
+    if after is None:
+        return zlib.crc32("\x00".join(sample_ids).encode())
+    return zlib.crc32(("\x00" + "\x00".join(sample_ids)).encode(), after)
 
 
 class FirstPass:
@@ -267,8 +272,9 @@ class FirstPass:
         if have > last and (over or have - last >= follow.window or not state.windows):
             if self.source.num_tokens.shape[0] < have:
                 self.source.grow(man)
-            ids = self.source.ds.index.column("sample_id").slice(0, have).to_pylist()
-            state.windows.append(Window(man.version, have, ids_crc(ids)))
+            ids = self.source.ds.index.column("sample_id").slice(last, have - last).to_pylist()
+            crc = ids_crc(ids, state.windows[-1].crc if state.windows else None)
+            state.windows.append(Window(man.version, have, crc))
             if over:
                 state.done = True
             return True
