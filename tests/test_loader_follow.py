@@ -74,6 +74,10 @@ def lockstep(loaders, steps=None, epochs=None):
             assert all(b is None for b in got), "ranks ran different numbers of steps"
             break
         for r, (ld, b) in enumerate(zip(loaders, got)):
+            # add_samples gives every state of sample i the value i: the batch holds the
+            # states of the samples it names (threads or worker processes alike).
+            states = torch.repeat_interleave(b["sample_index"], b["lengths"]).float()
+            assert torch.equal(b["hidden_states"][0, : len(states), 0], states)
             out[r].append((*ld.last_batch, tuple(b["sample_index"].tolist())))
         k += 1
     return out
@@ -276,6 +280,26 @@ def test_follow_with_worker_processes_sees_each_sample_once(tmp_path):
         assert got and all(want[g] == ss for g, ss in got.items()), epoch
     for ld in three:
         ld.close()
+
+
+def test_follow_with_spawned_workers_on_s3(s3_url):
+    """Object storage starts the workers with spawn: the windows so far and the stop event
+    travel pickled, and each worker reads the new versions from the store itself."""
+    new_dataset(s3_url)
+    add_samples(s3_url, 0, 4, commit_every=4)
+    start = hsstore.open(s3_url).manifest.version
+    code = ("import sys; from tests.test_loader_follow import add_samples, record_finished; "
+            "add_samples(sys.argv[1], 4, 30, 5); record_finished(sys.argv[1])")  # fmt: skip
+    writer = subprocess.Popen([sys.executable, "-c", code, s3_url], cwd=ROOT)
+    try:
+        workers = follower(s3_url, 1, 0, start, workers=2)
+        got = lockstep([workers], epochs=1)
+        workers.close()
+    finally:
+        assert writer.wait(60) == 0
+    seen = real(got, 0)
+    assert sorted(seen) == list(range(30)) and set(seen.values()) == {1}
+    assert got == lockstep([follower(s3_url, 1, 0, start)], epochs=1)  # as threads decode it
 
 
 def test_follow_until_and_sampler(tmp_path):

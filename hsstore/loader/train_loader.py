@@ -385,7 +385,8 @@ class _RawBatchStream(HiddenStateStream):
                     yield first_pass.batch(item[1])  # type: ignore[index]
 
         fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
-                               num_threads=self.num_threads, prefetch=self.prefetch)  # fmt: skip
+                               num_threads=self.num_threads, prefetch=self.prefetch,
+                               reuse_buffers=self.reuse_buffers)  # fmt: skip
         try:
             yield from fetcher
         finally:
