@@ -24,8 +24,8 @@ draft steps: 7 (``--ttt-steps``, the TTT length EAGLE-3 and SpecForge train with
 makes the tiny drafter's epoch about as long as the tiny target's extraction. That is the
 balance of a real run: for an 8B target, extraction (one forward of 32 layers) and a TTT-7
 step of its one-layer drafter (seven unrolled steps, forward and backward, through a 32k
-draft head) cost about the same per token. Each round prints E and T as the sequential
-way measured them.
+draft head) take about the same arithmetic per token, some 16 GFLOP. Each round prints
+E and T as the sequential way measured them.
 
     python tools/bench_follow.py                 # 96 prompts, 2 rounds, a minute or two idle
     python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
