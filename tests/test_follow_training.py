@@ -1,11 +1,14 @@
 """Training while the extraction runs: two `hsstore extract --shard i/2` processes write one
-s3:// dataset while the reference trainer follows it under `torchrun` (gloo, CPU), stopped
-and resumed on 2, then 1, then 3 ranks; and the completion records of `extract` itself."""
+s3:// dataset while the reference trainer follows it under `torchrun` (gloo, CPU) on 2 ranks,
+is killed (SIGKILL) mid-way and resumed from its last checkpoint on 1 and on 3 ranks; and the
+completion records of `extract` itself."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,15 +23,14 @@ from click.testing import CliRunner
 import hsstore
 from hsstore.cli import main
 from hsstore.demo_model import build_tiny_model
-from hsstore.errors import HsstoreError
 from hsstore.format.runs import completion
 from hsstore.loader import Loader
-from hsstore.trainers.eagle3.checkpoint import load_trainer_state
+from hsstore.trainers.eagle3.checkpoint import find_checkpoint, load_trainer_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"
-N_PROMPTS = 64
-MAX_TOKENS = 96
+N_PROMPTS = 32
+MAX_TOKENS = 48
 WINDOW = 4
 
 
@@ -93,21 +95,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(url: str, out: Path, log: Path, ranks: int, *extra: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "hsstore.trainers.eagle3", "--data", url, "--out", str(out), "--steps", "1000",
-           "--max-tokens", str(MAX_TOKENS), "--draft-vocab-size", "64", "--ttt-steps", "1",
-           "--num-threads", "1", "--log-every", "1000", "--device", "cpu", "--follow",
-           "--follow-window", str(WINDOW), "--follow-timeout", "120",
+def _train(url: str, out: Path, log: Path, ranks: int, *extra: str) -> subprocess.Popen[str]:
+    """The trainer following ``url``: under torchrun for several ranks, plain for one."""
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]  # fmt: skip
+    cmd = [*launch, "-m", "hsstore.trainers.eagle3", "--data", url, "--out", str(out),
+           "--steps", "1000", "--max-tokens", str(MAX_TOKENS), "--draft-vocab-size", "64",
+           "--ttt-steps", "1", "--num-threads", "1", "--log-every", "1000", "--device", "cpu",
+           "--follow", "--follow-window", str(WINDOW), "--follow-timeout", "120",
            "--samples-log", str(log), *extra]  # fmt: skip
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+
+def _finished(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def _log(log: Path, ranks: int) -> list[list[dict]]:
-    return [json.loads(Path(f"{log}.rank{r}.json").read_text()) for r in range(ranks)]
+    return [[json.loads(line) for line in Path(f"{log}.rank{r}.jsonl").read_text().splitlines()]
+            for r in range(ranks)]  # fmt: skip
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def _lines(log: Path) -> int:
+    path = Path(f"{log}.rank0.jsonl")
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _kill_after_checkpoint(proc: subprocess.Popen[str], run: Path, log: Path) -> str:
+    """SIGKILL the trainer and every rank once rank 0 has trained a step past its last
+    checkpoint (frozen with SIGSTOP to look, so the kill lands where it was seen); its output."""
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+        assert time.monotonic() < deadline, "the trainer never trained past a checkpoint"
+        if _lines(log) >= 2:
+            tree = _process_tree(proc.pid)
+            for pid in tree:
+                os.kill(pid, signal.SIGSTOP)
+            ckpt = find_checkpoint(run)
+            if ckpt is not None and _lines(log) > load_trainer_state(ckpt)["step"]:
+                for pid in tree:
+                    os.kill(pid, signal.SIGKILL)
+                return proc.communicate()[0]
+            for pid in tree:
+                os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
 
 
 def _first_pass(runs: list[list[list[dict]]]) -> Counter:
@@ -116,8 +169,8 @@ def _first_pass(runs: list[list[list[dict]]]) -> Counter:
 
 
 def _uninterrupted(url: str, ranks: int, start_version: int) -> dict[int, list[int]]:
-    """Global batch -> samples of a 3-rank run that followed from the same version, planned
-    afresh on the finished dataset."""
+    """Global batch -> samples of a run at ``ranks`` ranks that followed from the same
+    version, planned afresh on the finished dataset."""
     loaders = [Loader(url, max_tokens=MAX_TOKENS, seed=0, rank=r, world_size=ranks,
                       num_threads=1, follow=True, follow_window=WINDOW,
                       follow_from=start_version) for r in range(ranks)]  # fmt: skip
@@ -131,45 +184,51 @@ def _uninterrupted(url: str, ranks: int, start_version: int) -> dict[int, list[i
     return out
 
 
-def test_trainer_follows_two_extractions_and_resumes_on_1_then_3_ranks(tiny, s3_url, tmp_path):
+def test_trainer_follows_two_extractions_killed_and_resumed_on_1_and_3_ranks(
+    tiny, s3_url, tmp_path
+):
+    """What a SIGKILL'd run has trained on counts up to its last checkpoint: the steps after
+    it are trained again by the resumed run, from the checkpoint's global position. So the
+    checkpointed steps of the killed run and the resumed run's steps together see each sample
+    exactly once in the first pass, whatever the number of ranks the resumed run has."""
     data = tmp_path / "p.jsonl"
     data.write_text(_rows(N_PROMPTS))
     first = _extract(tiny, data, s3_url, "0/2")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the trainer opens the dataset when it starts
-        try:
-            if len(hsstore.open(s3_url)) >= 2:
-                break
-        except HsstoreError:
-            pass
-        assert first.poll() is None or first.returncode == 0, first.stderr.read()
-        time.sleep(0.2)
     run = tmp_path / "run"
-    # Two steps on two ranks need 4 batches: fewer samples than shard 0 writes alone.
-    said = _train(s3_url, run, tmp_path / "a", 2, "--stop-after", "2")
-    assert "extraction running" in said  # shard 1 has not even started
+    # Started with the extraction: the trainer waits for the dataset to exist, then follows.
+    killed = _train(s3_url, run, tmp_path / "a", 2, "--save-every", "2")
+    # Shard 1 starts only after the kill: the extraction cannot be complete before it.
+    assert "extraction running" in _kill_after_checkpoint(killed, run, tmp_path / "a")
     second = _extract(tiny, data, s3_url, "1/2")
-    _train(s3_url, run, tmp_path / "b", 1, "--resume", "--stop-after", "4")
-    state_b = load_trainer_state(run / "checkpoint")["loader"]
-    last = json.loads(_train(s3_url, run, tmp_path / "c", 3, "--resume").strip().splitlines()[-1])
+    for ranks in (1, 3):
+        shutil.copytree(run, tmp_path / f"run{ranks}")
+    resumed = {r: _train(s3_url, tmp_path / f"run{r}", tmp_path / f"r{r}", r, "--resume")
+               for r in (1, 3)}  # fmt: skip
+    summaries = {r: json.loads(_finished(p).strip().splitlines()[-1]) for r, p in resumed.items()}
     for proc in (first, second):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
-    assert last["extraction_complete"] and last["epoch"] == 1
-    a, b, c = _log(tmp_path / "a", 2), _log(tmp_path / "b", 1), _log(tmp_path / "c", 3)
-    assert [len(x) for x in a] == [2, 2] and [len(x) for x in b] == [4]
-    assert len({len(x) for x in c}) == 1  # every rank ran the same number of steps
     n = len(hsstore.open(s3_url))
-    seen = _first_pass([a, b, c])
-    assert n == N_PROMPTS and sorted(seen) == list(range(n)) and set(seen.values()) == {1}
-    # The resumed runs' batches are those an uninterrupted run at their size has at the same
-    # global positions: 1 rank from position 4, 3 ranks from position 8.
-    start = state_b["follow"]["start_version"]
-    assert state_b["position"] == 8 and state_b["world_size"] == 1
-    for log, ranks, first_batch in ((b, 1, 4), (c, 3, 8)):
+    assert n == N_PROMPTS
+    state = load_trainer_state(find_checkpoint(run))  # .old if the kill fell between renames
+    k, loader_state = state["step"], state["loader"]
+    assert loader_state["world_size"] == 2 and loader_state["position"] == 2 * k
+    a = _log(tmp_path / "a", 2)
+    assert len(a[0]) > k >= 1  # it was killed after steps the checkpoint does not hold
+    kept = [[h for h in rank if h["step"] <= k] for rank in a]
+    assert [len(x) for x in kept] == [k, k]
+    start = loader_state["follow"]["start_version"]
+    for ranks in (1, 3):
+        assert summaries[ranks]["extraction_complete"] and summaries[ranks]["first_step"] == k + 1
+        log = _log(tmp_path / f"r{ranks}", ranks)
+        assert len({len(x) for x in log}) == 1  # every rank ran the same number of steps
+        seen = _first_pass([kept, log])
+        assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}, ranks
+        # The resumed batches are those an uninterrupted run at the new size has at the
+        # same global positions, from the checkpoint's on.
         whole = _uninterrupted(s3_url, ranks, start)
         got = {h["batch"]: h["samples"] for rank in log for h in rank if not h["repeat"]}
-        assert min(got) == first_batch and all(whole[g] == ss for g, ss in got.items())
+        assert min(got) == 2 * k and all(whole[g] == ss for g, ss in got.items())
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,12 @@ the version history, so a run that starts later from the same version plans the 
 
 from __future__ import annotations
 
+import multiprocessing
+import subprocess
+import sys
 import threading
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +26,10 @@ from hsstore import LayerSpec
 from hsstore.errors import LoaderStateError
 from hsstore.format.runs import completion, run_record
 from hsstore.loader import Loader, PlannedBatchSampler
-from hsstore.loader.follow import FollowTimeoutError
+from hsstore.loader.follow import FollowTimeoutError, ids_crc
 from hsstore.loader.partition import rank_batches
 
+ROOT = Path(__file__).resolve().parents[1]
 H = 8
 MAX_TOKENS = 24
 JOB = {"input": "p.jsonl", "input_bytes": 1, "input_sha256": "0" * 64, "limit": None,
@@ -69,6 +74,10 @@ def lockstep(loaders, steps=None, epochs=None):
             assert all(b is None for b in got), "ranks ran different numbers of steps"
             break
         for r, (ld, b) in enumerate(zip(loaders, got)):
+            # add_samples gives every state of sample i the value i: the batch holds the
+            # states of the samples it names (threads or worker processes alike).
+            states = torch.repeat_interleave(b["sample_index"], b["lengths"]).float()
+            assert torch.equal(b["hidden_states"][0, : len(states), 0], states)
             out[r].append((*ld.last_batch, tuple(b["sample_index"].tolist())))
         k += 1
     return out
@@ -221,6 +230,9 @@ def test_follow_sees_each_sample_once_resumes_on_any_world_size(tmp_path):
         assert sorted(seen) == list(range(61)) and set(seen.values()) == {1}, epoch
     windows = three[0].state_dict()["follow"]["windows"]
     assert len(windows) >= 4 and windows[-1][1] == 61 and three[0].state_dict()["follow"]["done"]
+    # Each window's CRC, run on from the last one's, is that of all the ids up to its end.
+    ids = hsstore.open(path).index.column("sample_id").to_pylist()
+    assert all(crc == ids_crc(ids[:end]) for _version, end, crc in windows)
     # Planned afresh on the finished dataset from the same start version: the same windows,
     # and at 3 ranks the same batches at every global position the resumed run had.
     whole = lockstep([follower(path, 3, r, start) for r in range(3)], epochs=2)
@@ -233,6 +245,61 @@ def test_follow_sees_each_sample_once_resumes_on_any_world_size(tmp_path):
     assert order != sorted(order)
     for ld in three:
         ld.close()
+
+
+def test_follow_with_worker_processes_sees_each_sample_once(tmp_path):
+    path = tmp_path / "ds"
+    new_dataset(path)
+    add_samples(path, 0, 6, commit_every=6)
+    start = hsstore.open(path).manifest.version
+    # The extraction is another process: the loaders' workers are forked while it writes.
+    code = ("import sys; from tests.test_loader_follow import add_samples, record_finished; "
+            "add_samples(sys.argv[1], 6, 47, 3); record_finished(sys.argv[1])")  # fmt: skip
+    writer = subprocess.Popen([sys.executable, "-c", code, str(path)], cwd=ROOT)
+    try:
+        first = [follower(path, 2, r, start, workers=2) for r in range(2)]
+        head = lockstep(first, steps=3)
+        state = first[0].state_dict()
+        for ld in first:
+            ld.close()
+        assert multiprocessing.active_children() == []
+        # Resumed on 3 ranks of 2 workers each, to the end of epoch 1 (workers over fixed data).
+        three = [follower(path, 3, r, start, workers=2) for r in range(3)]
+        for ld in three:
+            ld.load_state_dict(state)
+        rest = lockstep(three, epochs=2)
+    finally:
+        assert writer.wait(60) == 0
+    for epoch in (0, 1):
+        seen = real([*head, *rest], epoch)
+        assert sorted(seen) == list(range(47)) and set(seen.values()) == {1}, epoch
+    # The same batches at the same global positions as 3 ranks decoding with threads.
+    whole = lockstep([follower(path, 3, r, start) for r in range(3)], epochs=2)
+    for epoch in (0, 1):
+        want, got = by_global(whole, epoch), by_global(rest, epoch)
+        assert got and all(want[g] == ss for g, ss in got.items()), epoch
+    for ld in three:
+        ld.close()
+
+
+def test_follow_with_spawned_workers_on_s3(s3_url):
+    """Object storage starts the workers with spawn: the windows so far and the stop event
+    travel pickled, and each worker reads the new versions from the store itself."""
+    new_dataset(s3_url)
+    add_samples(s3_url, 0, 4, commit_every=4)
+    start = hsstore.open(s3_url).manifest.version
+    code = ("import sys; from tests.test_loader_follow import add_samples, record_finished; "
+            "add_samples(sys.argv[1], 4, 30, 5); record_finished(sys.argv[1])")  # fmt: skip
+    writer = subprocess.Popen([sys.executable, "-c", code, s3_url], cwd=ROOT)
+    try:
+        workers = follower(s3_url, 1, 0, start, workers=2)
+        got = lockstep([workers], epochs=1)
+        workers.close()
+    finally:
+        assert writer.wait(60) == 0
+    seen = real(got, 0)
+    assert sorted(seen) == list(range(30)) and set(seen.values()) == {1}
+    assert got == lockstep([follower(s3_url, 1, 0, start)], epochs=1)  # as threads decode it
 
 
 def test_follow_until_and_sampler(tmp_path):

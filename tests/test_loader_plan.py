@@ -7,9 +7,10 @@ import pytest
 
 from hsstore.errors import BadInputError
 from hsstore.loader.batching import plan_packed, plan_padded
+from hsstore.loader.options import LoaderOptions
 from hsstore.loader.order import epoch_order, storage_blocks
 from hsstore.loader.partition import rank_batches, worker_steps
-from hsstore.loader.plan import PlanConfig, global_plan, rank_plan
+from hsstore.loader.plan import global_plan, rank_plan
 
 RNG = np.random.default_rng(1234)
 N = 500
@@ -142,7 +143,7 @@ def test_worker_steps_interleave_into_rank_order(start, num_workers):
 
 @pytest.mark.parametrize(("world_size", "num_workers"), [(1, 1), (1, 3), (2, 2), (3, 1), (4, 3)])
 def test_every_sample_exactly_once_over_ranks_and_workers(world_size, num_workers):
-    cfg = PlanConfig(max_tokens=512, tail="uneven", seed=5)
+    cfg = LoaderOptions(max_tokens=512, tail="uneven", seed=5).plan_config()
     seen = []
     for rank in range(world_size):
         plan = rank_plan(cfg, LENGTHS, SEGMENTS, 3, rank, world_size)
@@ -153,7 +154,7 @@ def test_every_sample_exactly_once_over_ranks_and_workers(world_size, num_worker
 
 
 def test_ranks_never_overlap_with_padding():
-    cfg = PlanConfig(max_tokens=512, tail="pad")
+    cfg = LoaderOptions(max_tokens=512, tail="pad").plan_config()
     full = global_plan(cfg, LENGTHS, SEGMENTS, 0)
     plans = [rank_plan(cfg, LENGTHS, SEGMENTS, 0, r, 3) for r in range(3)]
     assert len({len(p) for p in plans}) == 1

@@ -10,7 +10,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.loader import HiddenStateStream, Loader, RankPlan
+from hsstore.loader import HiddenStateStream, Loader, LoaderOptions, RankPlan
 from hsstore.loader.train_loader import _RawBatchStream
 
 OPTS = dict(max_tokens=64, seed=5, block_size=2, window=8, num_threads=2, prefetch=2)
@@ -76,4 +76,4 @@ def test_the_workers_plan_is_the_loaders_and_close_ends_them(path):
     with pytest.raises(TypeError, match="fixes them"):
         HiddenStateStream(loader.rank_plan, max_tokens=8)
     plan_opts = {k: OPTS[k] for k in ("max_tokens", "seed", "block_size", "window")}
-    assert RankPlan.from_options(path, **plan_opts).config == loader.config
+    assert RankPlan.from_options(path, LoaderOptions(**plan_opts)).config == loader.config

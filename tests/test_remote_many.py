@@ -117,7 +117,8 @@ def _free_port() -> int:
 
 
 def _steps(log: Path, rank: int) -> list[list[int]]:
-    return [h["samples"] for h in json.loads(Path(f"{log}.rank{rank}.json").read_text())]
+    lines = Path(f"{log}.rank{rank}.jsonl").read_text().splitlines()
+    return [json.loads(line)["samples"] for line in lines]
 
 
 def test_torchrun_two_ranks_from_s3_cover_each_sample_once_and_resume_exactly(s3_url, tmp_path):

@@ -9,11 +9,25 @@ On the tiny random Llama (``hsstore.demo_model``), in one run, each way in its o
   first pass, when the extraction has recorded that it is complete.
 
 Both are timed from the start of the extraction to the end of the trainer's first pass
-(every sample trained on once), process start-up included. ``first_step_s``: from the start
-of the extraction to the following trainer's first batch. The two ways alternate over
-``--rounds`` rounds; the best of each is kept (a shared machine disturbs single runs).
+(every sample trained on once), process start-up and exit included. ``first_step_s``: from
+the start of the extraction to the following trainer's first batch. The two ways alternate
+over ``--rounds`` rounds; the best of each is kept (a shared machine disturbs single runs).
 
-    python tools/bench_follow.py                 # 96 prompts, 2 rounds, about two minutes
+Both ways do the same work: the same extraction (batches of 4 prompts on the CPU, a commit
+every ``--commit-every`` samples), the same trainer options, one epoch. Following can only
+hide what overlaps: with extraction time E and training time T, sequential takes E + T and
+following about max(E, T) plus what comes after the extraction's completion record: noticing
+it, the last window's steps and the trainer's exit (each round prints when the record
+landed). It needs a core for each of the two processes: on a saturated machine the two
+ways cost the same CPU time, and take about as long. The balance is set by the trainer's
+draft steps: 7 (``--ttt-steps``, the TTT length EAGLE-3 and SpecForge train with), which
+makes the tiny drafter's epoch about as long as the tiny target's extraction. That is the
+balance of a real run: for an 8B target, extraction (one forward of 32 layers) and a TTT-7
+step of its one-layer drafter (seven unrolled steps, forward and backward, through a 32k
+draft head) take about the same arithmetic per token, some 16 GFLOP. Each round prints
+E and T as the sequential way measured them.
+
+    python tools/bench_follow.py                 # 96 prompts, 2 rounds, a minute or two idle
     python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
 
 The last line is machine-readable:
@@ -30,10 +44,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+import hsstore  # noqa: E402
 from hsstore.demo_model import build_tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +84,7 @@ def extract(model: Path, data: Path, out: Path, commit_every: int) -> subprocess
 def train(model: Path, data: Path, run: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", "--data", str(data),
            "--target", str(model), "--out", str(run), "--steps", "100000", "--epochs", "1",
-           "--max-tokens", "256", "--ttt-steps", "3", "--draft-vocab-size", "256",
+           "--max-tokens", "256", "--ttt-steps", "7", "--draft-vocab-size", "256",
            "--num-threads", "1", "--log-every", "100000", "--device", "cpu", *extra]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if r.returncode != 0:
@@ -82,19 +98,29 @@ def finish(proc: subprocess.Popen[str]) -> None:
         raise SystemExit(f"extraction failed: {err[-2000:]}")
 
 
-def sequential(model: Path, prompts: Path, work: Path, commit_every: int) -> float:
+def sequential(model: Path, prompts: Path, work: Path, commit_every: int) -> tuple[float, float]:
+    """(wall time, of which extraction)."""
     out = work / "seq"
     t0 = time.time()
     finish(extract(model, prompts, out, commit_every))
+    extracted = time.time() - t0
     summary = train(model, out, work / "seq-run")
     wall = time.time() - t0
     assert summary["steps"] > 0
-    return wall
+    return wall, extracted
+
+
+def completed_at(out: Path) -> float:
+    """Wall-clock time of the extraction's "finished" run record."""
+    runs = hsstore.open(out).manifest.provenance["runs"]
+    at = max(r["at"] for r in runs if r["event"] == "finished")
+    return datetime.fromisoformat(at).timestamp()
 
 
 def following(
     model: Path, prompts: Path, work: Path, commit_every: int, window: int
-) -> tuple[float, float, int]:
+) -> tuple[float, float, float, int]:
+    """(wall time, first step, extraction recorded complete, steps), times from the start."""
     out = work / "follow"
     t0 = time.time()
     proc = extract(model, prompts, out, commit_every)
@@ -104,7 +130,7 @@ def following(
     finish(proc)
     if not summary["extraction_complete"]:
         raise SystemExit("the following trainer ended before the extraction was complete")
-    return wall, summary["first_batch_time"] - t0, summary["steps"]
+    return wall, summary["first_batch_time"] - t0, completed_at(out) - t0, summary["steps"]
 
 
 def main() -> None:
@@ -123,13 +149,17 @@ def main() -> None:
         for r in range(args.rounds):
             for path in ("seq", "seq-run", "follow", "follow-run"):
                 shutil.rmtree(work / path, ignore_errors=True)
-            seq.append(sequential(model, prompts, work, args.commit_every))
-            wall, first_s, steps = following(model, prompts, work, args.commit_every, args.window)
+            seq_wall, extracted = sequential(model, prompts, work, args.commit_every)
+            seq.append(seq_wall)
+            wall, first_s, done_s, steps = following(
+                model, prompts, work, args.commit_every, args.window
+            )
             fol.append(wall)
             first.append(first_s)
             print(
-                f"round {r}: sequential {seq[-1]:.1f} s, following {wall:.1f} s "
-                f"(first step after {first_s:.1f} s, {steps} steps)",
+                f"round {r}: sequential {seq_wall:.1f} s (extract {extracted:.1f} s, then train "
+                f"{seq_wall - extracted:.1f} s), following {wall:.1f} s (first step after "
+                f"{first_s:.1f} s, extraction complete after {done_s:.1f} s, {steps} steps)",
                 flush=True,
             )
         print(f"prompts {args.prompts}, best of {args.rounds}: sequential {min(seq):.1f} s, "

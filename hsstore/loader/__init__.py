@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hsstore.loader.batching import BatchPlan, plan_packed, plan_padded
 from hsstore.loader.collate import pack_collate, pad_collate
+from hsstore.loader.options import LoaderOptions
 from hsstore.loader.order import epoch_order
 from hsstore.loader.partition import rank_batches, worker_steps
 from hsstore.loader.plan import PlanConfig
@@ -26,6 +27,7 @@ __all__ = [
     "HiddenStateDataset",
     "HiddenStateStream",
     "Loader",
+    "LoaderOptions",
     "PlanConfig",
     "PlannedBatchSampler",
     "PlannedEpochs",

@@ -39,18 +39,22 @@ from hsstore.loader.plan import PlanConfig, global_plan
 __all__ = ["WAIT", "FirstPass", "FollowConfig", "FollowState", "rank_len", "rank_steps"]
 
 
+FIRST_POLL_S = 0.02  # a wait for a new version first looks again after this long
+
+
 class FollowTimeoutError(HsstoreError):
     """No new version for ``follow_timeout_s`` while the extraction is not complete."""
 
 
 @dataclass(frozen=True)
 class FollowConfig:
-    """How a following loader cuts the first pass into windows and waits for them."""
+    """How a following loader cuts the first pass into windows and waits for them (built
+    from ``LoaderOptions``' follow_* options, which hold the defaults)."""
 
-    window: int = 256  # a window is cut once this many new samples are committed
-    until: int | None = None  # the first pass ends after this many samples (None: at completion)
-    poll_s: float = 0.5  # how often to look for a new version while waiting
-    timeout_s: float | None = None  # give up after this long without a new version
+    window: int  # a window is cut once this many new samples are committed
+    until: int | None  # the first pass ends after this many samples (None: at completion)
+    poll_s: float  # the longest pause between two looks for a new version while waiting
+    timeout_s: float | None  # give up after this long without a new version
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -110,8 +114,13 @@ class FollowState:
             raise LoaderStateError(f"loader state has a malformed follow record ({exc})") from None
 
 
-def ids_crc(sample_ids: list[str]) -> int:
-    return zlib.crc32("\x00".join(sample_ids).encode())
+def ids_crc(sample_ids: list[str], after: int | None = None) -> int:
+    """CRC-32 of the sample ids joined by NUL. ``after``: the CRC of the ids before these,
+    which the CRC runs on from (a window's CRC from the last one's, without rereading all
+    the ids before it: that would cost O(samples) Python work per window)."""
+    if after is None:
+        return zlib.crc32("\x00".join(sample_ids).encode())
+    return zlib.crc32(("\x00" + "\x00".join(sample_ids)).encode(), after)
 
 
 class FirstPass:
@@ -129,6 +138,16 @@ class FirstPass:
         self._ends: list[int] = []  # cumulative batch counts of the planned windows
         self._lock = threading.Lock()
         self._scan: Manifest | None = None  # the version the rule has read up to
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a DataLoader worker process gets: the windows decided so far. It plans them,
+        and reads the versions after them, itself; the window rule being a function of the
+        history, it cuts the same windows as every other process."""
+        state = FollowState(self.state.start_version, list(self.state.windows), self.state.done)
+        return {"source": self.source, "cfg": self.cfg, "follow": self.follow, "state": state}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__init__(d["source"], d["cfg"], d["follow"], d["state"])  # type: ignore[misc]
 
     @classmethod
     def start(
@@ -156,17 +175,24 @@ class FirstPass:
         self._plan_known()
         return g < self._num_planned() or self.state.done
 
-    def wait(self, g: int, stop: threading.Event | None = None) -> bool:
+    def wait(self, g: int, stop: Any = None) -> bool:
         """True once batch ``g`` of the pass exists; False if the pass ended before it (or the
-        wait was stopped). Reads new versions every ``poll_s`` meanwhile."""
+        wait was stopped: ``stop`` is a threading or multiprocessing Event).
+
+        Looks for a new version after ``FIRST_POLL_S``, then twice as long each time, up to
+        ``poll_s``: an extraction commits at a steady pace, so most waits end soon after they
+        begin, and a commit is seen within about the time already waited for it rather than
+        up to a whole ``poll_s`` late.
+        """
         waited_since = time.monotonic()
+        pause = FIRST_POLL_S
         while True:
             if self.ready(g):
                 return g < self._num_planned()
             if stop is not None and stop.is_set():
                 return False
             if self._poll():
-                waited_since = time.monotonic()
+                waited_since, pause = time.monotonic(), FIRST_POLL_S
                 continue
             timeout = self.follow.timeout_s
             if timeout is not None and time.monotonic() - waited_since > timeout:
@@ -175,10 +201,12 @@ class FirstPass:
                     f"its completion (following from version {self.state.start_version})",
                     path=self.source.path,
                 )
+            pause = min(pause, self.follow.poll_s)
             if stop is not None:
-                stop.wait(self.follow.poll_s)
+                stop.wait(pause)
             else:
-                time.sleep(self.follow.poll_s)
+                time.sleep(pause)
+            pause *= 2
 
     def batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         k = int(np.searchsorted(self._ends, g, side="right"))
@@ -244,8 +272,9 @@ class FirstPass:
         if have > last and (over or have - last >= follow.window or not state.windows):
             if self.source.num_tokens.shape[0] < have:
                 self.source.grow(man)
-            ids = self.source.ds.index.column("sample_id").slice(0, have).to_pylist()
-            state.windows.append(Window(man.version, have, ids_crc(ids)))
+            ids = self.source.ds.index.column("sample_id").slice(last, have - last).to_pylist()
+            crc = ids_crc(ids, state.windows[-1].crc if state.windows else None)
+            state.windows.append(Window(man.version, have, crc))
             if over:
                 state.done = True
             return True
@@ -290,7 +319,7 @@ def rank_steps(
     tail: str,
     start: int,
     step: int,
-    stop: threading.Event | None = None,
+    stop: Any = None,
 ) -> Iterator[tuple[int, int, bool] | object]:
     """``(step, global batch, repeat)`` of rank ``rank`` from position ``start`` and its own
     ``step`` on, as the batches come into existence; ``WAIT`` before it would block.

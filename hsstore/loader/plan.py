@@ -19,18 +19,19 @@ from hsstore.loader.partition import TAIL_POLICIES, rank_batches
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """Everything that decides which sample lands in which batch of which rank."""
+    """Everything that decides which sample lands in which batch of which rank (built from
+    ``LoaderOptions``, which holds the defaults)."""
 
-    max_tokens: int = 8192
-    batch_size: int | None = None  # None: packed mode
-    pad_to_multiple_of: int = 8
-    open_bins: int = 4
-    shuffle: bool = True
-    seed: int = 0
-    block_size: int = 64
-    window: int = 1024
-    over_long: str = "truncate"
-    tail: str = "pad"
+    max_tokens: int
+    batch_size: int | None  # None: packed mode
+    pad_to_multiple_of: int
+    open_bins: int
+    shuffle: bool
+    seed: int
+    block_size: int
+    window: int
+    over_long: str
+    tail: str
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

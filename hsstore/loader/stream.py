@@ -29,6 +29,7 @@ from hsstore.loader.collate import RawBatch, as_eagle3
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.fetch import BatchFetcher, BatchShape
 from hsstore.loader.follow import WAIT, FirstPass, FollowConfig, FollowState, rank_len, rank_steps
+from hsstore.loader.options import LoaderOptions, shows_options
 from hsstore.loader.partition import position_after, rank_batches, worker_steps
 from hsstore.loader.plan import PlanConfig, fingerprint, fingerprint_v1, global_plan
 
@@ -69,71 +70,29 @@ class RankPlan:
     world_size: int
     follow: FollowConfig | None = None  # set: follow the dataset as it grows
     follow_from: int | None = None  # the version the first window is, when following
+    options: LoaderOptions | None = None  # what this plan was built from, as given
 
     @classmethod
-    def from_options(
-        cls,
-        dataset: Any,
-        *,
-        max_tokens: int = 8192,
-        batch_size: int | None = None,
-        pad_to_multiple_of: int = 8,
-        open_bins: int = 4,
-        shuffle: bool = True,
-        seed: int = 0,
-        block_size: int = 64,
-        window: int = 1024,
-        over_long: str = "truncate",
-        tail: str = "pad",
-        aux_layers: list[int] | None = None,
-        verifier: bool = True,
-        rank: int | None = None,
-        world_size: int | None = None,
-        pad_token_id: int = 0,
-        verify_reads: bool | None = None,
-        follow: bool = False,
-        follow_window: int = 256,
-        follow_until: int | None = None,
-        follow_poll_s: float = 0.5,
-        follow_timeout_s: float | None = None,
-        follow_from: int | None = None,
-    ) -> RankPlan:
-        """The options of docs/LOADER.md (``dataset``: a path, a Dataset or a DatasetSource)."""
+    def from_options(cls, dataset: Any, options: LoaderOptions) -> RankPlan:
+        """The plan of ``options`` over ``dataset`` (a path, a Dataset or a DatasetSource)."""
         source = (
             dataset
             if isinstance(dataset, DatasetSource)
-            else DatasetSource(dataset, verify_reads=verify_reads)
+            else DatasetSource(dataset, verify_reads=options.verify_reads)
         )
-        config = PlanConfig(
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            pad_to_multiple_of=pad_to_multiple_of,
-            open_bins=open_bins,
-            shuffle=shuffle,
-            seed=seed,
-            block_size=block_size,
-            window=window,
-            over_long=over_long,
-            tail=tail,
-        )
-        shape = BatchShape(
-            packed=batch_size is None,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-            pad_to_multiple_of=pad_to_multiple_of,
-            pad_token_id=pad_token_id,
-        )
+        rank, world_size = options.rank, options.world_size
         if rank is None or world_size is None:
             d_rank, d_world = default_rank_world()
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
-        choice = LayerChoice.resolve(source.layers, aux_layers, verifier)
-        if not follow:
-            return cls(source, config, choice, shape, rank, world_size)
-        how = FollowConfig(follow_window, follow_until, follow_poll_s, follow_timeout_s)
-        if follow_from is None:
+        aux = None if options.aux_layers is None else list(options.aux_layers)
+        choice = LayerChoice.resolve(source.layers, aux, options.verifier)
+        config, shape = options.plan_config(), options.batch_shape()
+        how = options.follow_config()
+        follow_from = options.follow_from
+        if how is not None and follow_from is None:
             follow_from = agreed_start_version(source, world_size)
-        return cls(source, config, choice, shape, rank, world_size, how, follow_from)
+        return cls(source, config, choice, shape, rank, world_size, how, follow_from, options)
 
 
 class PlannedEpochs:
@@ -146,14 +105,17 @@ class PlannedEpochs:
     (``follow.FirstPass``) and later epochs cover the samples of that pass.
     """
 
-    def __init__(self, dataset: Any, **options: Any):
+    @shows_options
+    def __init__(self, dataset: Any, options: LoaderOptions | None = None, **overrides: Any):
         if isinstance(dataset, RankPlan):
-            if options:
-                raise TypeError(f"options {sorted(options)} given with a RankPlan that fixes them")
+            if options is not None or overrides:
+                given = sorted(overrides) or ["options"]
+                raise TypeError(f"options {given} given with a RankPlan that fixes them")
             spec = dataset
         else:
-            spec = RankPlan.from_options(dataset, **options)
+            spec = RankPlan.from_options(dataset, LoaderOptions.of(options, overrides))
         self.rank_plan = spec
+        self.options = spec.options
         self.source, self.config = spec.source, spec.config
         self.choice, self.shape = spec.choice, spec.shape
         self.rank, self.world_size = spec.rank, spec.world_size
@@ -319,16 +281,18 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
     batch valid only until the next one is requested, and must stay False with workers.
     """
 
+    @shows_options
     def __init__(
         self,
         dataset: Any,
+        options: LoaderOptions | None = None,
         *,
         num_threads: int = 2,
         prefetch: int = 2,
         reuse_buffers: bool = False,
-        **options: Any,
+        **overrides: Any,
     ):
-        super().__init__(dataset, **options)
+        super().__init__(dataset, options, **overrides)
         self.num_threads, self.prefetch, self.reuse_buffers = num_threads, prefetch, reuse_buffers
         self._skip = 0  # batches this worker already yielded (restored worker state)
         self._yielded = 0

@@ -17,6 +17,7 @@ was prefetched.
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -24,12 +25,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from hsstore.errors import BadInputError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
+from hsstore.loader.options import LoaderOptions, shows_options
 from hsstore.loader.partition import rank_batches
 from hsstore.loader.plan import global_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
@@ -73,11 +75,8 @@ def _planned_from(
                 if item is WAIT:
                     yield WAIT
                     continue
-                i, g, repeat = item  # type: ignore[misc]
-                total = first_pass.total
-                n = None if total is None else rank_len(total, rank, world, cfg.tail, start)
-                tags.append(_Tag(0, i, n, g, repeat))
-                yield first_pass.batch(g)
+                tags.append(_first_pass_tag(spec, first_pass, start, item))
+                yield first_pass.batch(tags[-1].batch)
             if stop.is_set():
                 return
         else:
@@ -94,6 +93,16 @@ def _planned_from(
         epoch, start, step = epoch + 1, 0, 0
 
 
+def _first_pass_tag(spec: RankPlan, first_pass: FirstPass, start: int, item: Any) -> _Tag:
+    """The tag of ``(step, global batch, repeat)`` of the first pass (``follow.rank_steps``)."""
+    i, g, repeat = item
+    total = first_pass.total
+    n = None
+    if total is not None:
+        n = rank_len(total, spec.rank, spec.world_size, spec.config.tail, start)
+    return _Tag(0, i, n, g, repeat)
+
+
 class _Pipeline:
     """Decoded batches from one plan position on, each with its ``_Tag``.
 
@@ -107,7 +116,7 @@ class _Pipeline:
         batches: Any,
         tags: deque[_Tag],
         last_epoch: int | None,
-        stop: threading.Event | None = None,
+        stop: Any = None,
     ):
         self._batches, self._tags, self.last_epoch = batches, tags, last_epoch
         self._pending: tuple[_Tag, RawBatch] | None = None
@@ -154,25 +163,25 @@ class Loader(PlannedEpochs):
     threads now rather than when the Loader is garbage collected.
     """
 
+    @shows_options
     def __init__(
         self,
         dataset: Any,
+        options: LoaderOptions | None = None,
         *,
         device: str | torch.device | None = None,
         num_threads: int = 4,
         prefetch: int = 2,
         workers: int = 0,
-        **options: Any,
+        **overrides: Any,
     ):
-        super().__init__(dataset, **options)
+        super().__init__(dataset, options, **overrides)
         if num_threads < 1 or prefetch < 1 or workers < 0:
             raise ValueError("need num_threads >= 1, prefetch >= 1 and workers >= 0")
         self.device = resolve_device(device)
         self.num_threads, self.prefetch, self.workers = num_threads, prefetch, workers
         self._ring: list[HostBuffers] | None = None  # allocated on first use, kept for good
         self._pipe: _Pipeline | None = None
-        if workers and self.first_pass is not None:
-            raise ValueError("follow=True decodes with threads: use workers=0")
         self._pipe_pos: tuple[int, int, int] | None = None  # the position _pipe continues from
         self._epoch_len: tuple[int, int] | None = None  # (epoch, batches), once seen in a tag
         self._owner: object | None = None  # the iterator currently delivering batches
@@ -326,6 +335,11 @@ class Loader(PlannedEpochs):
                 ring=self._ring,
             )
             last_epoch = None
+        elif self.following:
+            # The workers read the new versions themselves; the stop event ends their waits.
+            stop = multiprocessing.get_context("spawn").Event()
+            host = _FollowTagged(_WorkerBatches(self, pin, stop), self, tags)
+            last_epoch = 0
         else:
             # Worker processes iterate one epoch each (DataLoader's round robin over workers
             # is per epoch): the pipeline covers the current epoch only.
@@ -345,10 +359,71 @@ class Loader(PlannedEpochs):
 
 class _RawBatchStream(HiddenStateStream):
     """The Loader's plan for its DataLoader workers: each sends its batches as decoded
-    (``RawBatch``), and the Loader makes the trainer's keys once, in the main process."""
+    (``RawBatch``), and the Loader makes the trainer's keys once, in the main process.
+
+    In a following first pass, worker w of n decodes the rank's steps ``step + w``,
+    ``step + w + n``, ... as their windows are cut, reading the new versions itself: the
+    windows are a function of the version history, so every worker plans the same pass.
+    """
+
+    stop: Any = None  # a multiprocessing Event, set when the Loader stops following
 
     def __iter__(self) -> Iterator[RawBatch]:  # type: ignore[override]
-        return self._raw_batches()
+        return self._followed() if self.following else self._raw_batches()
+
+    def _followed(self) -> Iterator[RawBatch]:
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        first_pass = self.first_pass
+        assert first_pass is not None
+
+        def planned() -> Iterator[tuple[np.ndarray, np.ndarray] | object]:
+            for item in self._rank_steps(self.stop):
+                if item is WAIT:
+                    yield WAIT
+                elif (item[0] - self.step) % num_workers == worker:  # type: ignore[index]
+                    yield first_pass.batch(item[1])  # type: ignore[index]
+
+        fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
+                               num_threads=self.num_threads, prefetch=self.prefetch,
+                               reuse_buffers=self.reuse_buffers)  # fmt: skip
+        try:
+            yield from fetcher
+        finally:
+            fetcher.close()
+
+
+class _FollowTagged:
+    """Worker batches of a following first pass, tagged by the same schedule run in this
+    process (which reads each version after a worker has), and checked against it."""
+
+    def __init__(self, batches: _WorkerBatches, loader: Loader, tags: deque[_Tag]):
+        assert loader.first_pass is not None
+        self._batches, self._tags, self._pass = batches, tags, loader.first_pass
+        self._spec, self._start = loader.rank_plan, loader.start
+        self._steps = loader._rank_steps()
+
+    def __iter__(self) -> _FollowTagged:
+        return self
+
+    def _next_step(self) -> Any:
+        return next((item for item in self._steps if item is not WAIT), None)
+
+    def __next__(self) -> RawBatch:
+        try:
+            raw = next(self._batches)
+        except StopIteration:
+            if self._next_step() is not None:
+                raise RuntimeError("the loader's workers ended the first pass early") from None
+            raise
+        item = self._next_step()
+        if item is None or not np.array_equal(raw.sample_index, self._pass.batch(item[1])[0]):
+            raise RuntimeError(f"a loader worker decoded another batch than planned ({item})")
+        self._tags.append(_first_pass_tag(self._spec, self._pass, self._start, item))
+        return raw
+
+    def close(self) -> None:
+        self._batches.close()
 
 
 class _WorkerBatches:
@@ -359,7 +434,7 @@ class _WorkerBatches:
     tensor per batch.
     """
 
-    def __init__(self, loader: Loader, pin: bool):
+    def __init__(self, loader: Loader, pin: bool, stop: Any = None):
         stream = _RawBatchStream(
             loader.rank_plan,
             num_threads=max(1, loader.num_threads // max(1, loader.workers)),
@@ -367,6 +442,7 @@ class _WorkerBatches:
             reuse_buffers=False,
         )
         stream.epoch, stream.start, stream.step = loader.epoch, loader.start, loader.step
+        stream.first_pass, stream.stop = loader.first_pass, stop  # the windows so far
         # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
         # its worker processes down, the way DataLoader documents for an iterator going away.
         self._dl: Iterator[RawBatch] | None = iter(

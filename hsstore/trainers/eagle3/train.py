@@ -406,6 +406,8 @@ def train(args: argparse.Namespace) -> dict:
     wait_total, run_start = 0.0, time.perf_counter()
     first_batch_at = None  # wall clock (time.time), comparable with other processes' clocks
     stop = min(args.steps, start_step + args.stop_after) if args.stop_after else args.steps
+    log_path = args.samples_log and f"{args.samples_log}.rank{rank}.jsonl"
+    samples_log = open(log_path, "w", buffering=1) if log_path else None  # noqa: SIM115
     model.train()
     for step in range(start_step, stop):
         t0 = time.perf_counter()
@@ -450,6 +452,9 @@ def train(args: argparse.Namespace) -> dict:
                 "repeat": repeat,  # a batch repeated to pad the epoch's last round
             }
         )
+        if samples_log is not None:  # line-buffered: a killed run's log has each step it trained
+            keys = ("step", "samples", "epoch", "batch", "repeat")
+            samples_log.write(json.dumps({k: history[-1][k] for k in keys}) + "\n")
         if master and ((step + 1) % args.log_every == 0 or step + 1 == stop):
             recent = history[-args.log_every :]
             tok_s = sum(h["tokens"] for h in recent) / max(1e-9, sum(h["time"] for h in recent))
@@ -485,10 +490,8 @@ def train(args: argparse.Namespace) -> dict:
         "first_batch_time": first_batch_at,
         "extraction_complete": completion(ds.refresh().manifest.provenance).complete,
     }
-    if args.samples_log:
-        with open(f"{args.samples_log}.rank{rank}.json", "w") as f:
-            keys = ("step", "samples", "epoch", "batch", "repeat")
-            json.dump([{k: h[k] for k in keys} for h in history], f)
+    if samples_log is not None:
+        samples_log.close()
     if world > 1:
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}
