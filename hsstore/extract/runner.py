@@ -131,7 +131,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     device = _device(opts.device)
     _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
-    # (it holds a lock on it) nor anything committed, so this is safe next to other nodes.
+    # (it holds a lease on it) nor anything committed, so this is safe next to other nodes.
     import hsstore
 
     debris = hsstore.gc(opts.out).removed_segments
