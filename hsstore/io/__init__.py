@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsstore.errors import BadInputError, HsstoreError
 from hsstore.io import specforge, speculators_arrow, speculators_v1
@@ -22,6 +22,9 @@ from hsstore.io.base import (
     ForeignWriter,
     FormatOption,
 )
+
+if TYPE_CHECKING:
+    from hsstore.dataset import Dataset
 
 HSSTORE = "hsstore"
 
@@ -34,7 +37,11 @@ FORMATS: dict[str, ForeignFormat] = {
         speculators_arrow.FOREIGN_FORMAT,
     )
 }
-SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW = FORMATS
+SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW = (
+    speculators_v1.FORMAT,
+    specforge.FORMAT,
+    speculators_arrow.FORMAT,
+)
 
 FOREIGN_FORMATS: tuple[str, ...] = tuple(FORMATS)
 ALL_FORMATS: tuple[str, ...] = (HSSTORE, *FOREIGN_FORMATS)
@@ -156,7 +163,7 @@ def open_foreign(
 
 def open_writer(
     fmt: str,
-    ds: Any,
+    ds: Dataset,
     out: Path,
     *,
     source: str,
