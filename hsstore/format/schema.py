@@ -68,14 +68,19 @@ def _validate_whole(obj: Any, *, where: str) -> None:
 # A check returns None, or where (a JSON path below the checked value) and what is wrong.
 Check = Callable[[Any], "tuple[str, str] | None"]
 
+# Each JSON type as a Python test of ``{v}`` (with the strict integers of ``_validator``: 1.0
+# is no integer); `compile_predicate` inlines the source, `compile_rule` calls the functions.
+_TYPE_TESTS = {
+    "object": "type({v}) is dict",
+    "array": "type({v}) is list",
+    "string": "type({v}) is str",
+    "integer": "type({v}) is int",
+    "number": "type({v}) in (int, float)",
+    "boolean": "type({v}) is bool",
+    "null": "{v} is None",
+}
 _TYPES: dict[str, Callable[[Any], bool]] = {
-    "object": lambda x: type(x) is dict,
-    "array": lambda x: type(x) is list,
-    "string": lambda x: type(x) is str,
-    "integer": lambda x: type(x) is int,  # as the jsonschema validator above: 1.0 is no integer
-    "number": lambda x: type(x) in (int, float),
-    "boolean": lambda x: type(x) is bool,
-    "null": lambda x: x is None,
+    name: eval(f"lambda v: {test.format(v='v')}") for name, test in _TYPE_TESTS.items()
 }
 
 
@@ -164,17 +169,6 @@ def _object_check(node: dict[str, Any]) -> Check:
 def _keywords(node: Any) -> set[str]:
     """The keywords of ``node`` itself (its subschemas are compiled, and checked, on their own)."""
     return set(node) if isinstance(node, dict) else set()
-
-
-_TYPE_TESTS = {
-    "object": "type({v}) is dict",
-    "array": "type({v}) is list",
-    "string": "type({v}) is str",
-    "integer": "type({v}) is int",
-    "number": "type({v}) in (int, float)",
-    "boolean": "type({v}) is bool",
-    "null": "{v} is None",
-}
 
 
 def compile_predicate(node: dict[str, Any]) -> Callable[[Any], bool]:
