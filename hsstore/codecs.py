@@ -58,10 +58,9 @@ _FLAG_SHUFFLE, _FLAG_DONT_SPLIT, _ZSTD_FORMAT_FLAGS = 0x01, 0x10, 4 << 5
 _MIN_SPLIT_BYTES = 128
 # zstd mostly for entropy coding: the shortest search and a small window, and matches of 7+
 # bytes only, so most of an exponent stream becomes Huffman-coded literals. The hash table of
-# the match finder has 512 entries: against 1024, chunks encode 1.06-1.21x faster and whole
-# writes took 0.80-0.91x the CPU (MiniLM and synthetic states), at a ratio within 0.06% either
-# way (`tools/bench_codec.py`; docs/PERFORMANCE.md, "Peers"). Encoder parameters only: any
-# zstd frame decodes.
+# the match finder has 512 entries: a smaller table than zstd's level-1 default encodes
+# faster, and on hidden states (few long matches) it compresses practically as well
+# (`tools/bench_codec.py` compares the two). Encoder parameters only: any zstd frame decodes.
 SPLIT_ZSTD_PARAMS: Mapping[str, int] = MappingProxyType(
     dict(min_match=7, search_log=1, hash_log=9, window_log=17)
 )

@@ -22,20 +22,17 @@ from hsstore.errors import BadInputError, HsstoreError
 from hsstore.format.locations import is_url, open_storage
 from hsstore.format.store import Storage
 from hsstore.io import (
-    EXPORT_FORMATS,
     HSSTORE,
-    SPECFORGE,
-    SPECULATORS_ARROW,
     SPECULATORS_V1,
     detect_format,
     open_foreign,
+    open_writer,
+    reader_options,
+    writer_options,
 )
-from hsstore.io.base import ForeignReader, ForeignSample, ForeignWriter, is_temp_debris
-from hsstore.io.final_norm import load_final_norm
+from hsstore.io.base import ForeignReader, ForeignSample, is_temp_debris
 from hsstore.io.pipeline import Progress, default_workers, ordered_map, single_torch_thread
-from hsstore.io.specforge import SpecForgeWriter
-from hsstore.io.speculators_arrow import SpeculatorsArrowWriter
-from hsstore.io.speculators_v1 import LENGTHS_FILE, SpeculatorsV1Writer, read_json
+from hsstore.io.speculators_v1 import LENGTHS_FILE, read_json
 
 ON_ERROR = ("fail", "skip")
 
@@ -140,14 +137,15 @@ def convert_to_hsstore(
     on_error: str = "fail",
     progress: bool = True,
     on_problem: Callable[[str, str], None] | None = None,
-    hidden_states_path: str | os.PathLike | None = None,
+    **format_options: Any,
 ) -> ConvertResult:
     """Convert a foreign dataset at ``src`` into the hsstore dataset ``dst`` (created or resumed).
 
     ``on_error='fail'`` stops writing at the first bad file, keeps checking the rest so every
     bad file is listed, then raises ConvertFailed; samples committed before stay committed.
     ``on_error='skip'`` leaves bad files out and records them in the dataset's provenance.
-    ``on_problem(name, reason)`` is called as each bad file is found.
+    ``on_problem(name, reason)`` is called as each bad file is found. ``format_options`` are
+    the source format's own reader options (``hsstore.io.FORMATS[fmt].reader_options``).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
@@ -160,7 +158,7 @@ def convert_to_hsstore(
         fmt=fmt,
         layer_ids=layer_ids,
         num_hidden_layers=num_hidden_layers,
-        hidden_states_path=hidden_states_path,
+        **format_options,
     )
     ds = _open_or_create(reader, dst_storage, model_name=model_name, codec=codec)
     present = set(ds.sample_ids)
@@ -240,41 +238,6 @@ def _reason(exc: BaseException) -> str:
 # ------------------------------------------------------------------------------ out of hsstore
 
 
-def _writer(
-    fmt: str,
-    ds: Dataset,
-    out: Path,
-    *,
-    source: str,
-    num_hidden_layers: int,
-    fp8: bool,
-    target: str | os.PathLike | None,
-) -> ForeignWriter:
-    if fp8 and fmt != SPECULATORS_ARROW:
-        raise BadInputError(f"--fp8 applies to speculators-arrow only, not {fmt}", path=source)
-    if target is not None and fmt != SPECFORGE:
-        raise BadInputError(
-            f"--target is used only to apply the final norm for specforge, not {fmt}", path=source
-        )
-    if fmt == SPECULATORS_V1:
-        return SpeculatorsV1Writer(ds, out, source=source, num_hidden_layers=num_hidden_layers)
-    if fmt == SPECULATORS_ARROW:
-        return SpeculatorsArrowWriter(
-            ds, out, source=source, num_hidden_layers=num_hidden_layers, fp8=fp8
-        )
-    if fmt == SPECFORGE:
-        norm = None
-        if target is not None and not ds.layers[-1].final_norm:
-            norm = load_final_norm(target, hidden_size=ds.hidden_size)
-        return SpecForgeWriter(
-            ds, out, source=source, num_hidden_layers=num_hidden_layers, norm=norm
-        )
-    raise BadInputError(
-        f"cannot export an hsstore dataset to {fmt!r}; known: {', '.join(EXPORT_FORMATS)}",
-        path=source,
-    )
-
-
 @single_torch_thread
 def export(
     src: str | os.PathLike,
@@ -282,12 +245,14 @@ def export(
     *,
     dst_format: str = SPECULATORS_V1,
     num_hidden_layers: int | None = None,
-    fp8: bool = False,
-    target: str | os.PathLike | None = None,
     workers: int | None = None,
     progress: bool = True,
+    **format_options: Any,
 ) -> ConvertResult:
     """Write the hsstore dataset ``src`` into the folder ``out`` in a foreign format.
+
+    ``format_options`` are the target format's own writer options
+    (``hsstore.io.FORMATS[dst_format].writer_options``, e.g. ``fp8``, ``target``).
 
     Sample k in storage order becomes file k (so numbering is stable for a given dataset),
     written atomically; an interrupted export resumes by keeping finished files. The
@@ -307,8 +272,8 @@ def export(
         )
     if out.exists() and not out.is_dir():
         raise BadInputError("exists and is not a directory", path=str(out))
-    writer = _writer(
-        dst_format, ds, out, source=str(src), num_hidden_layers=int(n), fp8=fp8, target=target
+    writer = open_writer(
+        dst_format, ds, out, source=str(src), num_hidden_layers=int(n), **format_options
     )
     out.mkdir(parents=True, exist_ok=True)
     foreign = [p.name for p in out.iterdir() if not (writer.is_own(p) or is_temp_debris(p.name))]
@@ -324,7 +289,7 @@ def export(
 
     def export_one(k: int) -> int:
         s = ds[k]
-        if s.scales is not None and isinstance(writer, SpeculatorsArrowWriter) and writer.fp8:
+        if s.scales is not None and writer.stores_fp8:
             writer.write_fp8(k, s.input_ids, s.hidden, s.scales)  # the stored bits, not requantized
         else:  # fp8 states leave dequantized, as speculators' trainer reads them
             writer.write(k, s.input_ids, s.loss_mask, s.dequantized())
@@ -355,14 +320,15 @@ def export_to_v1(src: str | os.PathLike, out: str | os.PathLike, **kwargs: Any) 
 # ------------------------------------------------------------------------------ dispatch
 
 
-# Options of one direction only, with the CLI flag that sets them (for the refusal message).
-_EXPORT_ONLY = {"fp8": "--fp8", "target": "--target"}
-_IMPORT_ONLY = {
-    "layer_ids": "--layer-ids",
-    "model_name": "--model",
-    "codec": "--codec",
-    "hidden_states_path": "--hidden-states-path",
-}
+# Options of one direction only, with the CLI flag that sets them (for the refusal message):
+# the formats' own reader options are import-only too, their writer options export-only.
+_IMPORT_ONLY = {"layer_ids": "--layer-ids", "model_name": "--model", "codec": "--codec"}
+
+
+def _flags(options: dict) -> dict[str, str]:
+    return {name: option.flag for name, (_owner, option) in options.items()}
+
+
 # Import settings with defaults the CLI always passes; an export has no use for them.
 _IMPORT_TUNING = ("commit_every", "commit_bytes", "on_error", "on_problem")
 
@@ -382,9 +348,11 @@ def convert(
     # Foreign formats are local directories; a URL source can only be an hsstore dataset.
     src_format = src_format or (HSSTORE if is_url(src) else detect_format(src))
     given = {k for k, v in kwargs.items() if v is not None and v is not False}
+    import_only = {**_IMPORT_ONLY, **_flags(reader_options())}
+    export_only = _flags(writer_options())
     if src_format == HSSTORE:
         dst_format = dst_format or SPECULATORS_V1
-        wrong = [flag for k, flag in _IMPORT_ONLY.items() if k in given]
+        wrong = [flag for k, flag in import_only.items() if k in given]
         if kwargs.get("on_error") not in (None, "fail"):
             wrong.append(f"--on-error {kwargs['on_error']}")
         if wrong:
@@ -394,7 +362,7 @@ def convert(
                 "own encoding, and stops at the first unreadable one)",
                 path=str(src),
             )
-        drop = {*_IMPORT_ONLY, *_IMPORT_TUNING}
+        drop = {*import_only, *_IMPORT_TUNING}
         return export(
             src, dst, dst_format=dst_format, **{k: v for k, v in kwargs.items() if k not in drop}
         )
@@ -404,14 +372,14 @@ def convert(
             f"{src_format} converts only into hsstore; convert to hsstore first, then export",
             path=str(src),
         )
-    wrong = [flag for k, flag in _EXPORT_ONLY.items() if k in given]
+    wrong = [flag for k, flag in export_only.items() if k in given]
     if wrong:
         raise BadInputError(
             f"{', '.join(wrong)}: only for exporting an hsstore dataset, not for converting "
             f"{src_format} into hsstore",
             path=str(src),
         )
-    kwargs = {k: v for k, v in kwargs.items() if k not in _EXPORT_ONLY}
+    kwargs = {k: v for k, v in kwargs.items() if k not in export_only}
     return convert_to_hsstore(src, dst, fmt=src_format, **kwargs)
 
 

@@ -4,11 +4,10 @@ Cost is kept to a few percent of writing: one integer pass over the bit patterns
 abs-max (which yields exact counts of all-zero and non-finite rows and an exact histogram of
 row magnitudes), and moments (mean, std, RMS, min, max) come from every ``sample_every``-th row.
 
-All of it is numpy on the calling thread. torch's reductions run on its OpenMP threads, which
-spin between calls: the writer already encodes on a pool of its own, and on two cores with
-torch's default threads the spinning took 9.5% of a write's CPU (whole MiniLM writes: 1.17-1.26x
-GB/s per CPU-second with this pass; on a node with many cores every reduction wakes them all).
-On one thread numpy's pass is ~0.9x torch's speed, a few tenths of a percent of a write.
+All of it is numpy on the calling thread. torch's reductions would run on its OpenMP threads,
+which spin between calls and so take CPU from the pool the writer encodes on (on a node with
+many cores every reduction wakes them all); numpy on one thread is about as fast per call and
+costs a few tenths of a percent of a write.
 """
 
 from __future__ import annotations
@@ -152,8 +151,8 @@ class StatsAccumulator:
         self._min = np.full(num_layers, math.inf)
         self._max = np.full(num_layers, -math.inf)
         self._layer_offsets = np.arange(num_layers) * HIST_BINS
-        # Reused: a fresh multi-MB array per sample costs page faults that showed up as a large
-        # share of the stats time.
+        # Reused: a fresh multi-MB array per sample costs page faults, a large share of the
+        # stats time.
         self._floats = np.empty(0, np.float32)
 
     @property

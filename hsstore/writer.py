@@ -103,7 +103,7 @@ class Writer:
         ) = None
         self._attempt = 0
         self._closed = False
-        # A writer dropped without close() must not keep its segments locked until exit.
+        # A writer dropped without close() must not keep its segments leased until exit.
         self._release_at_gc = weakref.finalize(self, self.leases.release_all)
 
     # -- adding ----------------------------------------------------------------------------
@@ -481,7 +481,7 @@ class Writer:
         self._runs.clear()
 
     def close(self) -> None:
-        """End the writer. Segments not committed by now stay unlocked on disk for gc to sweep.
+        """End the writer. Segments not committed by now stay on disk, unleased, for gc to sweep.
 
         They are not deleted here: after a commit that raised, whether they were published is
         for gc to decide from the manifest, not for this writer to guess.

@@ -17,6 +17,7 @@ from hsstore.audit.lm_head import load_output_head
 from hsstore.audit.norm_fit import BROKEN, HOLDS, norm_fit, rows_needed
 from hsstore.audit.sampling import RowReservoir, plan_reads
 from hsstore.audit.verdict import Verdict, worst
+from hsstore.stats import StatsAccumulator
 
 
 def test_full_plan_reads_everything_in_order():
@@ -82,9 +83,11 @@ def test_layer_accumulator_counts_bad_rows():
     x[2] = 0.5
     x[3, 4] = math.nan
     x[4, 0] = math.inf
+    totals = StatsAccumulator(1, "float32", sample_every=1)  # the writer's, on every row
+    totals.update(x[:, None].numpy())
     acc = LayerAccumulator()
     acc.update(x)
-    s = acc.summary(x)
+    s = acc.summary(totals.layers[0], x)
     assert (s["zero_rows"], s["constant_rows"], s["nan"], s["inf"], s["nonfinite_rows"]) == (
         1,
         1,

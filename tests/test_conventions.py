@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hsstore.format import conventions
 from hsstore.format.conventions import (
     CONVENTIONS,
     ConventionError,
@@ -247,3 +248,19 @@ def test_canonical_depth_matches_a_real_llama_forward():
     for k in range(n + 1):  # hf id k
         (spec,) = to_canonical("hf", [k], n)
         assert spec.depth == k and spec.final_norm == (k == n)
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_sglang_ids_capture_exactly_the_depths_under_the_targets_rule(n):
+    for k in range(1, n):
+        for depths in itertools.combinations(range(1, n), k):
+            for rule in (conventions.SGLANG_LLAMA, conventions.SGLANG_DEEPSEEK):
+                if list(depths) == [1] and rule == conventions.SGLANG_DEEPSEEK:
+                    with pytest.raises(ConventionError, match="depth 1 alone"):
+                        conventions.sglang_ids(depths, n, rule)
+                    continue
+                ids = conventions.sglang_ids(depths, n, rule)
+                got = sorted(s.depth for s in conventions.to_canonical(rule, ids, n))
+                assert got == sorted(depths), (rule, depths, ids)
+                if 2 in depths:  # a list led by id 1 reads the same under either rule
+                    assert conventions.sglang_ids(depths, n) == ids

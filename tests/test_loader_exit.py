@@ -68,8 +68,8 @@ def test_exit_with_an_open_loader_stops_its_threads(tmp_path, threads):
 
 
 # A script holding a loader in a module global, that also imports the loader's module by
-# name: at exit that module's globals are torn down first, and the loader's __del__ used to
-# print "Exception ignored ... 'NoneType' object has no attribute 'suppress'".
+# name: at exit that module's globals are torn down first, so a __del__ that reaches for them
+# prints "Exception ignored ... 'NoneType' object has no attribute 'suppress'".
 MODULE_GLOBAL_CHILD = textwrap.dedent(
     """
     import sys

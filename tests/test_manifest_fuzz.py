@@ -225,3 +225,46 @@ def test_fast_segment_check_agrees_with_the_schema(mutated):
     )(rules)
     assert schema._check_segment(_segment_entry()) is None
     assert (schema._check_segment(mutated) is None) == strict.is_valid(mutated), mutated
+
+
+# Rules the segment entry does not use today, so that a schema change using them is covered.
+_OTHER_RULES = {
+    "type": "object",
+    "required": ["a"],
+    "maxProperties": 3,
+    "properties": {
+        "a": {"type": ["number", "null"], "minimum": -1.5, "maximum": 7},
+        "b": {"type": "boolean"},
+        "c": {"type": "array"},
+        "d": {"pattern": "^x+$"},
+    },
+    "additionalProperties": {"type": "string", "maxProperties": 1},
+}
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(doc=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e"]), json_values, max_size=4))
+def test_compiled_rules_agree_with_jsonschema_on_every_keyword_they_implement(doc):
+    import jsonschema
+
+    from hsstore.format.schema import compile_predicate, compile_rule
+
+    strict = jsonschema.validators.extend(
+        jsonschema.Draft202012Validator,
+        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+            "integer", lambda _, x: type(x) is int
+        ),
+    )(_OTHER_RULES)
+    verdict = strict.is_valid(doc)
+    assert compile_predicate(_OTHER_RULES)(doc) == verdict, doc
+    assert (compile_rule(_OTHER_RULES)(doc) is None) == verdict, doc
+
+
+def test_a_keyword_the_compiled_rules_lack_is_refused():
+    from hsstore.errors import SchemaError
+    from hsstore.format.schema import compile_predicate, compile_rule
+
+    rule = {"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}}
+    for compile_ in (compile_rule, compile_predicate):
+        with pytest.raises(SchemaError, match="format"):
+            compile_(rule)

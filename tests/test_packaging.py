@@ -274,3 +274,22 @@ def test_no_test_skips_when_a_module_of_ours_is_missing():
     ours = r"""importorskip\(\s*["'](hsstore|tools)\b"""
     offenders = [p.name for p in (ROOT / "tests").glob("*.py") if re.search(ours, p.read_text())]
     assert offenders == []
+
+
+def test_runtime_dependencies_are_what_the_library_imports():
+    # A runtime dependency the library never imports costs every user an install; zarr-python
+    # is the interop contract that tests/test_store_roundtrip.py checks, not a library import.
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    imported = set()
+    for path in (ROOT / "hsstore").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    assert declared <= imported, f"declared but never imported: {sorted(declared - imported)}"
+    assert "zarr" not in imported and "zarr" not in declared
+    assert any(d.startswith("zarr") for d in project["optional-dependencies"]["dev"])

@@ -126,9 +126,9 @@ def test_training_with_target_lowers_loss_and_raises_accuracy(tiny, tmp_path):
     assert_learned(s)
     # The requirement: with the loader's prefetch the data wait is near zero. The
     # loader decodes across epoch boundaries (5 batches per epoch here: 15 boundaries in this
-    # run) and hands batches over without waking its threads. Measured 0.5 to 0.9% on 2
-    # cores, also with 6 busy processes beside it, the first (cold) batch being most of it;
-    # 3 to 8% before, when every epoch started cold. 3x margin for a crowded CI machine.
+    # run) and hands batches over without waking its threads, so the wait is about the first
+    # (cold) batch alone, a percent at most even on 2 busy cores; the bound leaves a 3x margin
+    # for a crowded CI machine.
     assert 0.0 <= s["data_wait_frac"] < 0.03, s
     saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
     assert saved["draft_vocab_size"] == 256

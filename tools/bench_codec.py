@@ -14,8 +14,8 @@ with `split-zstd`; then, best of --repeats, GB/s of decoded states on one thread
   - copy: a plain copy of the decoded bytes, for scale.
 
 And the encoder, GB/s of chunks on one thread and the ratio, with hsstore's zstd parameters
-and with a 1024-entry match finder instead of its 512 entries (what it had before), timed in
-turn.
+and with a 1024-entry match finder instead of its 512 entries (the table size the choice was
+made against), timed in turn.
 
 The last line is ``decode_gb_s=.. blosc_gb_s=.. zstd_ceiling_gb_s=.. encode_gb_s=..
 encode_vs_1024_table=..`` (the worse data set).
@@ -42,7 +42,7 @@ from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 
 FRAME_HEADER = 16 + 4  # blosc header + the one block's start offset
-# The encoder's baseline: split-zstd's parameters with the 1024-entry match finder it had before.
+# The encoder's baseline: split-zstd's parameters with a 1024-entry match finder.
 TABLE_1024_PARAMS = {**SPLIT_ZSTD_PARAMS, "hash_log": 10}
 _LIB = ctypes.CDLL(blosc.__file__)
 zstd_create = _LIB.ZSTD_createDCtx

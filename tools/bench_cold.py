@@ -11,8 +11,9 @@ shuffled order, from one thread, into a reused buffer:
   memory, read at random).
 
 Each pass runs with read hints (`Storage.will_read`, the default: a compressed read asks for
-its chunks in order, a few ahead of its decoding), with the previous release's hints (all the
-chunks of a read at once; compressed data only, the uncompressed path did not change) and
+its chunks in order, a few ahead of its decoding), with whole-read hints (all the
+chunks of a read at once, the simpler alternative; compressed data only, the uncompressed path
+hints the same way in both) and
 without hints (`reads_ahead` turned off on the open dataset's storage: page faults on the shard
 maps read the device's readahead window around them), the cases in turn, their order rotated
 from one repeat to the next, best of ``--repeats``.
@@ -70,8 +71,8 @@ IN_ORDER, ALL_AT_ONCE, NO_HINTS = "hints", "hints all at once", "no hints"
 
 @contextlib.contextmanager
 def all_chunks_at_once() -> Iterator[None]:
-    """The previous release's cold reads: every chunk of a read's shard hinted at once, before
-    the first is decoded."""
+    """Whole-read hints, the alternative to hints in decoding order: every chunk of a read's
+    shard hinted at once, before the first is decoded."""
 
     def start(storage, key, mapped, entries, first, layer_chunks) -> None:
         storage.will_read(key, read_ahead.chunk_ranges(entries, layer_chunks))

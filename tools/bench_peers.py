@@ -329,8 +329,8 @@ class Result:
 
 def measure(c: Contender, raw_bytes: int, repeats: int, seed: int) -> Result:
     res = Result(c.name)
-    # Writes, like reads, are best of `repeats` (each into a fresh directory): one write of the
-    # same data by the same writer took 0.62 to 0.89 s of CPU from one time to the next.
+    # Writes, like reads, are best of `repeats` (each into a fresh directory): the CPU time of
+    # one write of the same data by the same writer varies by a third from one time to the next.
     cpu = math.inf
     for k in range(repeats):
         if k:

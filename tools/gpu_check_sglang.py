@@ -96,8 +96,8 @@ def chat_tokens(tokenizer: Any, reply: str) -> int:
 def chunked_prompt_text(tokenizer: Any, context: int, chunk: int = CHUNK) -> str:
     """An assistant reply whose chat rendering is several chunks long but fits ``context``.
 
-    (The earlier fixed text, WORDS * 40, was 3,601 tokens with the tiny tokenizer: longer than
-    the tiny model's 2,048-token context, so SGLang rejected it before any chunking.)
+    (Its length follows ``context``: a text longer than the model's context is rejected by
+    SGLang before any chunking, and the tiny model's context is only 2,048 tokens.)
     """
     limit = min(context - 64, 6 * chunk)
     words: list[str] = []

@@ -17,7 +17,7 @@ import torch
 from hsstore.audit.collect import SampleRecord
 from hsstore.audit.norm_fit import BROKEN, HOLDS, norm_fit, rows_needed
 from hsstore.audit.verdict import CheckResult, fail, ok, skip, warn
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import LayerSpec, verifier_position
 
 SHOW = 5  # sample ids quoted in a reason line
 # Relative distance below which two stored layers count as "nearly identical".
@@ -245,7 +245,7 @@ def check_model_depth(
     name = "model_depth"
     if model_layers is None:
         return skip(name, "pass --lm-head MODEL_DIR (with num_hidden_layers in its config.json)")
-    deepest = max(specs, key=lambda s: s.depth)
+    deepest = specs[verifier_position(specs)]
     if recorded not in (None, model_layers) or deepest.depth > model_layers:
         n = recorded if recorded is not None else deepest.depth
         return fail(name, f"the dataset's final state is labelled {deepest.label} of {n} "

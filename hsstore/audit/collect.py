@@ -16,6 +16,7 @@ import torch
 
 from hsstore.audit.layer_stats import LayerAccumulator, PairAccumulator
 from hsstore.audit.sampling import RowReservoir
+from hsstore.stats import StatsAccumulator
 
 SHIFTS = (-1, 0, 1)  # token shifts the lm-head check compares (0 = the declared alignment)
 
@@ -88,6 +89,8 @@ class Collector:
     ):
         self.num_layers = num_layers
         self.final_layers = final_layers
+        # The writer's accumulator, on every row of what is read (not every 8th).
+        self.totals = StatsAccumulator(num_layers, "float32", sample_every=1)
         self.layers = [LayerAccumulator() for _ in range(num_layers)]
         self.pairs = PairAccumulator(num_layers)
         self.records: list[SampleRecord] = []
@@ -125,8 +128,10 @@ class Collector:
         )
         self.records.append(rec)
         self.tokens_read += rec.num_rows or 0
+        values = hidden.float()
+        self.totals.update(values.numpy())
         for i, acc in enumerate(self.layers):
-            acc.update(hidden[:, i].float())
+            acc.update(values[:, i])
         self.pairs.update(hidden)
         self._pct.add(rows=hidden)
         for i, res in self._fit.items():
@@ -156,9 +161,9 @@ class Collector:
     def finish(self) -> Collected:
         pct_rows = self._pct.get("rows")
         summaries = []
-        for i, acc in enumerate(self.layers):
+        for i, (acc, totals) in enumerate(zip(self.layers, self.totals.layers, strict=True)):
             sample = pct_rows[:, i].float() if pct_rows is not None else None
-            summaries.append(acc.summary(sample))
+            summaries.append(acc.summary(totals, sample))
         fit = {}
         for i, res in self._fit.items():
             rows = res.get("rows")

@@ -1,8 +1,10 @@
 """Per-layer statistics measured by inspect on the rows it reads.
 
-The write-time statistics the core records (hsstore.stats) are exact for counts and cheap, but
-they cannot see per-token structure: the spread of per-token RMS, constant rows, how close two
-layers are. These accumulators add that, streaming over [T, H] slices so memory stays flat.
+The totals every reader of statistics shares (rows, all-zero and non-finite rows, mean, std,
+RMS, min, max) are hsstore.stats' ``StatsAccumulator``, the one the writer records, here run on
+every row. What it cannot see is per-token structure: NaN and Inf counts, constant rows, the
+spread of per-token RMS, how close two layers are. These accumulators add that, streaming over
+[T, H] slices so memory stays flat.
 
 Cost matters (inspect of a GB must take seconds), so each row batch gets a handful of fused
 reductions; anything element-wise beyond that (histograms, percentiles, pair distances) runs
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP
+from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP, LayerStats
 
 # Element-magnitude histogram, on the same log2 bins as the write-time row histogram:
 # bin k counts |x| with floor(log2|x|) == HIST_MIN_EXP + k.
@@ -27,18 +29,10 @@ __all__ = ["HIST_BINS", "HIST_MAX_EXP", "HIST_MIN_EXP", "LayerAccumulator"]
 
 @dataclass
 class LayerAccumulator:
-    """Running statistics of one stored layer over every row fed to it."""
+    """What inspect adds, for one stored layer, to the shared totals (``LayerStats``)."""
 
-    rows: int = 0
-    values: int = 0
-    sum: float = 0.0
-    sumsq: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
     nan: int = 0
     inf: int = 0
-    nonfinite_rows: int = 0
-    zero_rows: int = 0
     constant_rows: int = 0
     token_rms: list[torch.Tensor] = field(default_factory=list)
 
@@ -46,46 +40,36 @@ class LayerAccumulator:
         """``x``: [T, H] float32 rows of this layer."""
         if x.shape[0] == 0:
             return
-        self.rows += x.shape[0]
         lo, hi = torch.aminmax(x, dim=1)  # NaN propagates; +-inf shows in lo/hi
         finite = torch.isfinite(lo) & torch.isfinite(hi)
         if not bool(finite.all()):
             bad = x[~finite]
             self.nan += int(torch.isnan(bad).sum())
             self.inf += int(torch.isinf(bad).sum())
-            self.nonfinite_rows += int((~finite).sum())
             x, lo, hi = x[finite], lo[finite], hi[finite]
             if x.shape[0] == 0:
                 return
         zero = (lo == 0) & (hi == 0)
-        self.zero_rows += int(zero.sum())
         self.constant_rows += int(((lo == hi) & ~zero).sum())
-        self.min = min(self.min, float(lo.min()))
-        self.max = max(self.max, float(hi.max()))
         norms = torch.linalg.vector_norm(x, dim=1)
-        self.values += x.numel()
-        self.sum += float(x.sum(dim=1).double().sum())
-        self.sumsq += float(norms.double().pow(2).sum())
         self.token_rms.append(norms / math.sqrt(x.shape[1]))
 
-    def summary(self, rows_sample: torch.Tensor | None) -> dict[str, Any]:
-        """Finished statistics; ``rows_sample`` is a uniform subset of this layer's rows."""
-        n = self.values
-        mean = self.sum / n if n else math.nan
-        rms = math.sqrt(self.sumsq / n) if n else math.nan
-        std = math.sqrt(max(self.sumsq / n - mean * mean, 0.0)) if n else math.nan
+    def summary(self, totals: LayerStats, rows_sample: torch.Tensor | None) -> dict[str, Any]:
+        """Finished statistics: ``totals`` are this layer's over every row (sampled every row),
+        ``rows_sample`` a uniform subset of its rows."""
+        n = totals.sampled_values
         tok = torch.cat(self.token_rms) if self.token_rms else torch.empty(0)
         out: dict[str, Any] = {
-            "rows": self.rows,
-            "mean": mean,
-            "std": std,
-            "rms": rms,
-            "min": self.min if n else math.nan,
-            "max": self.max if n else math.nan,
+            "rows": totals.rows,
+            "mean": totals.mean,
+            "std": totals.std,
+            "rms": totals.rms,
+            "min": totals.min if n else math.nan,
+            "max": totals.max if n else math.nan,
             "nan": self.nan,
             "inf": self.inf,
-            "nonfinite_rows": self.nonfinite_rows,
-            "zero_rows": self.zero_rows,
+            "nonfinite_rows": totals.nonfinite_rows,
+            "zero_rows": totals.zero_rows,
             "constant_rows": self.constant_rows,
             "token_rms_median": float(tok.median()) if tok.numel() else math.nan,
             "token_rms_cv": float(tok.std() / tok.mean())

@@ -5,13 +5,15 @@ An hsstore dataset (DST of an import, SRC of an export) may be a URL (s3://, gs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
 from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
-from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, HSSTORE
+from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, FORMATS, HSSTORE, FormatOption
 
 
 def _parse_ids(value: str | None) -> list[int] | None:
@@ -21,6 +23,27 @@ def _parse_ids(value: str | None) -> list[int] | None:
         return [int(v) for v in value.replace(",", " ").split()]
     except ValueError:
         raise click.BadParameter(f"expected integers like 2,16,29,31, got {value!r}") from None
+
+
+def _format_options(command: Callable) -> Callable:
+    """Each format's own flags, as its module declares them (``--to X:``/``--from X:`` in help).
+
+    An option two formats share is one flag whose help names both.
+    """
+    scopes: dict[str, list[str]] = {}
+    options: dict[str, FormatOption] = {}
+    for f in FORMATS.values():
+        for direction, owned in (("from", f.reader_options), ("to", f.writer_options)):
+            for option in owned:
+                scopes.setdefault(option.name, []).append(f"--{direction} {f.name}")
+                options.setdefault(option.name, option)
+    for name, option in reversed(options.items()):
+        kind: dict[str, Any] = (
+            {"is_flag": True} if option.is_flag else {"type": click.Path(path_type=Path)}
+        )
+        help_text = f"{', '.join(scopes[name])}: {option.help}"
+        command = click.option(option.flag, name, help=help_text, **kind)(command)
+    return command
 
 
 @click.command("convert")
@@ -38,23 +61,7 @@ def _parse_ids(value: str | None) -> list[int] | None:
     type=click.Choice((HSSTORE, *EXPORT_FORMATS)),
     help="Target format (default: hsstore, or speculators-v1 when SRC is an hsstore dataset).",
 )
-@click.option(
-    "--fp8",
-    is_flag=True,
-    help="--to speculators-arrow: store float8_e4m3fn states with per-token scales, as "
-    "hs-connectors' FP8 connector writes them.",
-)
-@click.option(
-    "--target",
-    type=click.Path(path_type=Path),
-    help="--to specforge: the target model folder (config.json + safetensors); only its final "
-    "norm is read, to apply to a final state stored before the norm.",
-)
-@click.option(
-    "--hidden-states-path",
-    type=click.Path(path_type=Path),
-    help="--from speculators-arrow: the hs_{i}.safetensors folder when it is not DIR/hidden_states.",
-)
+@_format_options
 @click.option(
     "--layer-ids",
     help="Source layer ids in the source's own convention, e.g. 2,16,29,31. Required when the "
@@ -101,9 +108,6 @@ def command(
     dst: str,
     src_format: str | None,
     dst_format: str | None,
-    fp8: bool,
-    target: Path | None,
-    hidden_states_path: Path | None,
     layer_ids: str | None,
     num_hidden_layers: int | None,
     model_name: str | None,
@@ -114,6 +118,7 @@ def command(
     on_error: str,
     progress: bool,
     as_json: bool,
+    **format_options: Any,
 ) -> None:
     """Convert SRC into DST (resumable: rerun the same command after an interruption)."""
     from hsstore.convert import convert
@@ -128,9 +133,6 @@ def command(
         dst,
         src_format=src_format,
         dst_format=dst_format,
-        fp8=fp8,
-        target=target,
-        hidden_states_path=hidden_states_path,
         layer_ids=_parse_ids(layer_ids),
         num_hidden_layers=num_hidden_layers,
         model_name=model_name,
@@ -141,6 +143,7 @@ def command(
         on_error=on_error,
         progress=progress,
         on_problem=report,
+        **format_options,
     )
     if as_json:
         emit_json(result.to_json())

@@ -6,145 +6,53 @@ The work is done by the ``hsstore.extract`` package; this module only maps optio
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
-from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
+from hsstore.extract.options import cli_fields
+
+
+def _option_flags(command: Callable) -> Callable:
+    """One click option per field of ExtractOptions that the command line sets."""
+    for name, default, flag in reversed(cli_fields()):
+        kw: dict[str, Any] = {"help": flag.help}
+        if default is ...:
+            kw["required"] = True
+        else:
+            kw["default"] = default
+            kw["show_default"] = default is not None and default is not False
+        if flag.choices is not None:
+            kw["type"] = click.Choice(flag.choices)
+        elif flag.kind is not None:
+            kw["type"] = flag.kind
+        elif isinstance(default, bool) and "/" not in flag.flag:
+            kw["is_flag"] = True
+        command = click.option(flag.flag, name, **kw)(command)
+    return command
 
 
 @click.command("extract")
-@click.option("--model", "model", required=True, help="Model directory (or hub id) to run.")
-@click.option(
-    "--data",
-    required=True,
-    help="Prompts: .jsonl (messages / conversations / text), .txt, or a datasets directory.",
-)
-@click.option("--out", required=True, help="Dataset to create or add to.")
-@click.option(
-    "--backend",
-    type=click.Choice(["transformers", "sglang"]),
-    default="transformers",
-    show_default=True,
-)
-@click.option(
-    "--workers", type=int, default=1, show_default=True, help="Worker processes (one per GPU)."
-)
-@click.option("--shard", default=None, help="i/N: this node's share of the input (multi-node).")
-@click.option(
-    "--layers",
-    default=None,
-    help="Canonical layers: depths 0..N, 'final', 'final-prenorm', 'eagle3', or CONV:ids "
-    "(default: eagle3,final).",
-)
-@click.option("--max-length", type=int, default=None, help="Truncate prompts to this many tokens.")
-@click.option("--limit", type=int, default=None, help="Only use the first N input rows.")
-@click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option(
-    "--max-batch-tokens",
-    type=int,
-    default=16384,
-    show_default=True,
-    help="Padded tokens per batch.",
-)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:K or auto.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="Compute and storage dtype (auto: the model's).",
-)
-@click.option("--codec", type=click.Choice(CODEC_NAMES), default=DEFAULT_CODEC, show_default=True)
-@click.option(
-    "--commit-every", type=int, default=512, show_default=True, help="Samples per commit."
-)
-@click.option("--commit-seconds", type=float, default=300.0, show_default=True)
+@_option_flags
 @click.option("--tp-size", type=int, default=None, help="sglang: tensor parallel size per worker.")
 @click.option("--mem-fraction", type=float, default=None, help="sglang: mem_fraction_static.")
-@click.option(
-    "--trust-remote-code",
-    is_flag=True,
-    help="Run the model's own config/tokenizer/model code (e.g. Kimi-K2.x); only for models "
-    "you trust.",
-)
-@click.option(
-    "--check-against",
-    type=click.Choice(["transformers", "sglang"]),
-    default=None,
-    help="Also extract the same prompts with this backend (into a temporary dataset) and "
-    "compare every stored layer; exit 1 if they disagree. Use with --limit.",
-)
-@click.option(
-    "--check-tolerance",
-    type=float,
-    default=None,
-    help="--check-against: largest relative error per layer (default 0.05).",
-)
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
-def command(
-    model: str,
-    data: str,
-    out: str,
-    backend: str,
-    workers: int,
-    shard: str | None,
-    layers: str | None,
-    max_length: int | None,
-    limit: int | None,
-    batch_size: int,
-    max_batch_tokens: int,
-    device: str,
-    dtype: str,
-    codec: str,
-    commit_every: int,
-    commit_seconds: float,
-    tp_size: int | None,
-    mem_fraction: float | None,
-    trust_remote_code: bool,
-    check_against: str | None,
-    check_tolerance: float | None,
-    no_progress: bool,
-    as_json: bool,
-) -> None:
+def command(tp_size: int | None, mem_fraction: float | None, as_json: bool, **given: Any) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
     from hsstore.extract.runner import ExtractOptions, run_extract
 
     backend_options = {}
-    if backend == "sglang":
+    if given["backend"] == "sglang":
         if tp_size is not None:
             backend_options["tp_size"] = tp_size
         if mem_fraction is not None:
             backend_options["mem_fraction_static"] = mem_fraction
     elif tp_size is not None or mem_fraction is not None:
         raise click.UsageError("--tp-size and --mem-fraction apply to --backend sglang only")
-    summary = run_extract(
-        ExtractOptions(
-            model=model,
-            data=data,
-            out=out,
-            backend=backend,
-            workers=workers,
-            shard=shard,
-            layers=layers,
-            max_length=max_length,
-            limit=limit,
-            batch_size=batch_size,
-            max_batch_tokens=max_batch_tokens,
-            device=device,
-            dtype=dtype,
-            codec=codec,
-            commit_every=commit_every,
-            commit_seconds=commit_seconds,
-            progress=not no_progress,
-            backend_options=backend_options,
-            trust_remote_code=trust_remote_code,
-            check_against=check_against,
-            check_tolerance=check_tolerance,
-        )
-    )
+    summary = run_extract(ExtractOptions(**given, backend_options=backend_options))
     check = summary.get("check")
     if as_json:
         emit_json(summary)

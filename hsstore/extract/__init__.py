@@ -6,6 +6,7 @@ Modules, one job each:
 * :mod:`hsstore.extract.chat_tokens` - chat template tokenisation and the assistant-only loss mask;
 * :mod:`hsstore.extract.layer_select` - ``--layers`` parsing and the default EAGLE-3 choice;
 * :mod:`hsstore.extract.transformers_backend` / :mod:`hsstore.extract.sglang_backend` - the models;
+* :mod:`hsstore.extract.options` - ``ExtractOptions``, the one definition of a run's options;
 * :mod:`hsstore.extract.batching`, :mod:`hsstore.extract.writer_thread`, :mod:`hsstore.extract.worker`,
   :mod:`hsstore.extract.progress`, :mod:`hsstore.extract.runner` - parallel, resumable orchestration.
 

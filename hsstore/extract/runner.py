@@ -16,15 +16,15 @@ import os
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hsstore.codecs import DEFAULT_CODEC
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extract.batching import parse_shard
 from hsstore.extract.extra import require_extract_extra
 from hsstore.extract.layer_select import parse_layers
+from hsstore.extract.options import ExtractOptions
 from hsstore.extract.progress import Progress
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.format.layers import LayerSpec
@@ -35,30 +35,7 @@ class WorkerFailedError(HsstoreError):
     """A worker stopped with an error; what it committed before stays committed."""
 
 
-@dataclass
-class ExtractOptions:
-    model: str
-    data: str
-    out: str
-    backend: str = "transformers"
-    workers: int = 1
-    shard: str | None = None
-    layers: str | None = None
-    max_length: int | None = None
-    limit: int | None = None
-    batch_size: int = 8
-    max_batch_tokens: int = 16384
-    device: str = "auto"
-    dtype: str = "auto"
-    codec: str = DEFAULT_CODEC
-    commit_every: int = 512
-    commit_seconds: float = 300.0
-    max_queue: int = 4
-    progress: bool = True
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    trust_remote_code: bool = False
-    check_against: str | None = None  # a second backend to compare this run's samples with
-    check_tolerance: float | None = None
+__all__ = ["ExtractOptions", "WorkerFailedError", "run_extract"]
 
 
 def run_extract(opts: ExtractOptions) -> dict[str, Any]:
@@ -131,37 +108,14 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     device = _device(opts.device)
     _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
-    # (it holds a lock on it) nor anything committed, so this is safe next to other nodes.
+    # (it holds a lease on it) nor anything committed, so this is safe next to other nodes.
     import hsstore
 
     debris = hsstore.gc(opts.out).removed_segments
     job = input_identity(opts.data, limit=opts.limit, max_length=opts.max_length)
     _record_run(opts.out, run_record("started", job, shard_i, shards))
     gpus = _visible_gpus() if device.startswith("cuda") else []
-    threads = max(1, (os.cpu_count() or 1) // opts.workers)
-    base = WorkerSpec(
-        model=opts.model,
-        data=opts.data,
-        out=opts.out,
-        backend=opts.backend,
-        layers=tuple(s.to_json() for s in layers),
-        rank=shard_i * opts.workers,
-        world=shards * opts.workers,
-        max_length=opts.max_length,
-        limit=opts.limit,
-        batch_size=opts.batch_size,
-        max_batch_tokens=opts.max_batch_tokens,
-        device=device,
-        dtype=dtype,
-        commit_every=opts.commit_every,
-        commit_seconds=opts.commit_seconds,
-        max_queue=opts.max_queue,
-        torch_threads=threads if device == "cpu" else None,
-        encode_threads=threads,
-        backend_options=tuple(sorted(opts.backend_options.items())),
-        trust_remote_code=opts.trust_remote_code,
-    )
-    specs = [replace(base, rank=base.rank + w) for w in range(opts.workers)]
+    specs = worker_specs(opts, layers, shard_i, shards, device=device, dtype=dtype)
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
         # an SGLang engine never lives in this process: closing one kills its process's
@@ -181,6 +135,32 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     done = summary["samples_written"] + summary["samples_already_present"]
     _record_run(opts.out, run_record("finished", job, shard_i, shards, samples=done))
     return summary
+
+
+def worker_specs(
+    opts: ExtractOptions,
+    layers: list[LayerSpec],
+    shard_i: int,
+    shards: int,
+    *,
+    device: str,
+    dtype: str,
+) -> list[WorkerSpec]:
+    """This node's workers: each gets ``opts`` unchanged and its own slice of the work."""
+    threads = max(1, (os.cpu_count() or 1) // opts.workers)
+    return [
+        WorkerSpec(
+            options=opts,
+            layers=tuple(layers),
+            rank=shard_i * opts.workers + w,
+            world=shards * opts.workers,
+            device=device,
+            dtype=dtype,
+            torch_threads=threads if device == "cpu" else None,
+            encode_threads=threads,
+        )
+        for w in range(opts.workers)
+    ]
 
 
 def _record_run(out: str, record: dict[str, Any]) -> None:

@@ -76,6 +76,7 @@ from hsstore.extract.sglang_checks import (
     states_from_captures,
 )
 from hsstore.extract.sglang_memory import cpu_mem_fraction
+from hsstore.format.conventions import sglang_ids
 from hsstore.format.layers import LayerSpec
 
 __all__ = [
@@ -149,7 +150,7 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
     if len(depths) < 2:  # see module docstring: a pre-norm substitution must change the width
         depths.add(1)
     captured = sorted(depths)
-    aux_ids = [ANCHOR_ID] + [d - 1 for d in captured if d - 1 != ANCHOR_ID]
+    aux_ids = sglang_ids(captured, n)  # starts with ANCHOR_ID: depth 2 is always captured
     slots = [wanted.get(d) for d in captured] + [final_slot]
     layout = [len(captured) if s.depth == n else captured.index(s.depth) for s in layers]
     return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots, layout=layout)

@@ -20,36 +20,26 @@ from typing import Any
 
 from hsstore.extract.batching import owner, plan_batches
 from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
+from hsstore.extract.options import ExtractOptions
 from hsstore.extract.prompts import SkippedRow, read_prompts
 from hsstore.extract.writer_thread import WriterThread
+from hsstore.format.layers import LayerSpec
 
 Event = tuple[str, int, dict[str, Any]]  # (kind, rank, payload)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs, picklable for spawn."""
+    """One worker's job, picklable for spawn: the run's options as given, and its slice."""
 
-    model: str
-    data: str
-    out: str
-    backend: str
-    layers: tuple[dict, ...]  # LayerSpec.to_json() each
+    options: ExtractOptions
+    layers: tuple[LayerSpec, ...]  # parsed from options.layers against the model
     rank: int  # global rank = shard * workers + worker
     world: int
-    max_length: int | None
-    limit: int | None
-    batch_size: int
-    max_batch_tokens: int
-    device: str
-    dtype: str
-    commit_every: int
-    commit_seconds: float
-    max_queue: int
+    device: str  # options.device resolved: cpu, cuda or cuda:K
+    dtype: str  # options.dtype resolved against the model's config
     torch_threads: int | None
     encode_threads: int | None
-    backend_options: tuple[tuple[str, Any], ...] = ()
-    trust_remote_code: bool = False  # the model's own config/tokenizer/model code may run
 
 
 def load_tokenizer(model: str, *, trust_remote_code: bool = False) -> Any:
@@ -77,11 +67,12 @@ def tokenize_rows(
     spec: WorkerSpec, tokenizer: Any
 ) -> tuple[list[TokenizedPrompt], list[SkippedRow]]:
     """This worker's rows, tokenised, plus the rows it had to skip."""
-    chat = ChatTokenizer(tokenizer, max_length=spec.max_length, path=spec.model)
+    opts = spec.options
+    chat = ChatTokenizer(tokenizer, max_length=opts.max_length, path=opts.model)
     samples: list[TokenizedPrompt] = []
     skipped: list[SkippedRow] = []
-    for row in read_prompts(spec.data):
-        if spec.limit is not None and row.index >= spec.limit:
+    for row in read_prompts(opts.data):
+        if opts.limit is not None and row.index >= opts.limit:
             break
         if owner(row.index, world=spec.world) != spec.rank:
             continue
@@ -91,33 +82,31 @@ def tokenize_rows(
 
 
 def make_backend(spec: WorkerSpec) -> Any:
-    from hsstore.format.layers import LayerSpec
-
-    layers = [LayerSpec.from_json(d) for d in spec.layers]
-    options = dict(spec.backend_options)
-    if spec.backend == "transformers":
+    opts = spec.options
+    layers = list(spec.layers)
+    if opts.backend == "transformers":
         from hsstore.extract.transformers_backend import TransformersBackend
 
         return TransformersBackend(
-            spec.model,
+            opts.model,
             layers,
             device=spec.device,
             torch_dtype=spec.dtype,
-            trust_remote_code=spec.trust_remote_code,
-            **options,
+            trust_remote_code=opts.trust_remote_code,
+            **opts.backend_options,
         )
-    if spec.backend == "sglang":
+    if opts.backend == "sglang":
         from hsstore.extract.sglang_backend import SGLangBackend
 
         return SGLangBackend(
-            spec.model,
+            opts.model,
             layers,
             dtype=spec.dtype,
             device=spec.device,
-            trust_remote_code=spec.trust_remote_code,
-            **options,
+            trust_remote_code=opts.trust_remote_code,
+            **opts.backend_options,
         )
-    raise ValueError(f"unknown backend {spec.backend!r}")
+    raise ValueError(f"unknown backend {opts.backend!r}")
 
 
 def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any]:
@@ -153,12 +142,13 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
 
     import hsstore
 
+    opts = spec.options
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     t_start = time.perf_counter()
-    tokenizer = load_tokenizer(spec.model, trust_remote_code=spec.trust_remote_code)
+    tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     samples, skipped = tokenize_rows(spec, tokenizer)
-    ds = hsstore.open(spec.out)
+    ds = hsstore.open(opts.out)
     already = {p.sample_id for p in samples if p.sample_id in ds}
     todo = [p for p in samples if p.sample_id not in already]
     recorded = {s.get("name") for s in ds.manifest.provenance.get("skipped", [])}
@@ -179,15 +169,15 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
     batches = [
         b
         for b in plan_batches(
-            samples, batch_size=spec.batch_size, max_batch_tokens=spec.max_batch_tokens
+            samples, batch_size=opts.batch_size, max_batch_tokens=opts.max_batch_tokens
         )
         if any(p.sample_id not in already for p in b)
     ]
     writer = WriterThread(
         ds,
-        commit_every=spec.commit_every,
-        commit_seconds=spec.commit_seconds,
-        max_queue=spec.max_queue,
+        commit_every=opts.commit_every,
+        commit_seconds=opts.commit_seconds,
+        max_queue=opts.max_queue,
         encode_threads=spec.encode_threads,
         on_written=lambda n, t, b: emit(
             ("written", spec.rank, {"samples": n, "tokens": t, "bytes": b})

@@ -225,7 +225,7 @@ def gc(
     AND its newest object is older than ``grace_s``, both on the storage's clock; a temporary
     file only when it is older than ``grace_s``. Debris is first condemned in a version of its
     own (`_condemn`), then deleted: a writer that published it first keeps it, and one that
-    comes later refuses to publish it. See docs/FORMAT.md, "Leases and gc".
+    comes later refuses to publish it. See docs/DESIGN.md, "Leases and gc".
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only

@@ -169,3 +169,27 @@ def _deepseek_ids(layers: Sequence[LayerSpec], n: int, refuse) -> list[int]:
         layers[0],
         "a first id of 1 is shifted by sglang, so depth 1 cannot come first",
     )
+
+
+def sglang_ids(
+    depths: Sequence[int], num_hidden_layers: int, convention: str = SGLANG_LLAMA
+) -> list[int]:
+    """The aux ids that make SGLang capture exactly ``depths`` (pre-norm states).
+
+    A list that starts with id 1 (depth 2) is read the same way under both of SGLang's rules,
+    so when depth 2 is among ``depths`` it leads and the ids serve any target. Otherwise
+    ``convention`` (the target's rule: sglang-llama or sglang-deepseek) decides, and under
+    sglang-deepseek depth 1 never comes first.
+    """
+    conv = normalize_convention(convention)
+    ordered = sorted(depths)
+    if 2 in ordered:
+        ordered, conv = [2] + [d for d in ordered if d != 2], SGLANG_LLAMA
+    elif conv == SGLANG_DEEPSEEK:
+        if ordered == [1]:
+            raise ConventionError(
+                "SGLang cannot capture depth 1 alone under the sglang-deepseek rule: it reads "
+                "a leading id 1 as depth 2"
+            )
+        ordered = [d for d in ordered if d != 1] + [d for d in ordered if d == 1]
+    return from_canonical(conv, [LayerSpec(d) for d in ordered], num_hidden_layers)

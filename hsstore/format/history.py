@@ -3,7 +3,7 @@ committed versions were lost.
 
 The state at version N is the newest checkpoint (or full manifest) at or below N plus the
 deltas after it. Three kinds of evidence tell a lost newest version from a history that simply
-ends (docs/FORMAT.md, "Rollback"): the hint (``manifests/_latest``, self-checked, so a damaged
+ends (docs/FORMAT.md, "Versions"; docs/DESIGN.md): the hint (``manifests/_latest``, self-checked, so a damaged
 one is only ignored), the hash chain (every delta names its predecessor's checksum, and the
 hint names the newest one's), and the commit marks that a writer leaves in each segment once
 its version is published.

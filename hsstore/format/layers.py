@@ -58,6 +58,15 @@ class LayerSpec:
         )
 
 
+def verifier_position(layers: Sequence[LayerSpec]) -> int:
+    """Position in ``layers`` of the verifier's state: the deepest stored one, the normed one
+    when both the pre-norm and the normed final state are stored (the state the target's head
+    reads). The loader, the trainer and the audit all ask this one function."""
+    if not layers:
+        raise ValueError("a dataset needs at least one layer")
+    return max(range(len(layers)), key=lambda i: (layers[i].depth, layers[i].final_norm))
+
+
 def check_layer_list(layers: Sequence[LayerSpec], num_hidden_layers: int | None) -> None:
     """The rule every stored layer list follows: non-empty, no state twice, inside the model.
 

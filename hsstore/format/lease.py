@@ -6,7 +6,7 @@ before it writes any file of segment ``<id>``, and a heartbeat thread rewrites i
 storage's own clock: the lease is live while ``storage.now() - lease.modified < ttl``, so the
 clocks of writer and gc machines never need to agree. The same object works on a local disk
 and on an object store (no ``flock``, which object stores lack and network filesystems fake).
-The full argument is in docs/FORMAT.md, "Commits, leases and gc".
+The full argument is in docs/DESIGN.md, "Leases and gc".
 """
 
 from __future__ import annotations

@@ -1,37 +1,79 @@
 """Readers and writers for hidden-state formats other than hsstore's own (foreign formats).
 
-``detect_format`` tells the formats apart by their files; ``open_foreign`` returns a
-:class:`ForeignReader` for one of them. Each format lives in its own module.
+Each format lives in its own module, which describes itself in one :class:`ForeignFormat`
+(name, detection, reader, writer, its own options); ``FORMATS`` lists them, and everything
+else here and in ``hsstore convert`` (its ``--from``/``--to`` choices and per-format flags) is
+derived from that list. Adding a format is a module plus one line below.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hsstore.errors import BadInputError, HsstoreError
-from hsstore.io.base import ForeignReader, ForeignSample
+from hsstore.io import specforge, speculators_arrow, speculators_v1
+from hsstore.io.base import (
+    ForeignFormat,
+    ForeignReader,
+    ForeignSample,
+    ForeignWriter,
+    FormatOption,
+)
+
+if TYPE_CHECKING:
+    from hsstore.dataset import Dataset
 
 HSSTORE = "hsstore"
-SPECULATORS_V1 = "speculators-v1"
-SPECFORGE = "specforge"
-SPECULATORS_ARROW = "speculators-arrow"
 
-FOREIGN_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW)
+# Registration order breaks ties between formats equally sure of a folder.
+FORMATS: dict[str, ForeignFormat] = {
+    f.name: f
+    for f in (
+        speculators_v1.FOREIGN_FORMAT,
+        specforge.FOREIGN_FORMAT,
+        speculators_arrow.FOREIGN_FORMAT,
+    )
+}
+SPECULATORS_V1, SPECFORGE, SPECULATORS_ARROW = (
+    speculators_v1.FORMAT,
+    specforge.FORMAT,
+    speculators_arrow.FORMAT,
+)
+
+FOREIGN_FORMATS: tuple[str, ...] = tuple(FORMATS)
 ALL_FORMATS: tuple[str, ...] = (HSSTORE, *FOREIGN_FORMATS)
 # Formats an hsstore dataset can be exported to (each module's ForeignWriter).
-EXPORT_FORMATS: tuple[str, ...] = (SPECULATORS_V1, SPECULATORS_ARROW, SPECFORGE)
+EXPORT_FORMATS: tuple[str, ...] = tuple(n for n, f in FORMATS.items() if f.writer is not None)
 
 __all__ = [
     "ALL_FORMATS",
     "EXPORT_FORMATS",
     "FOREIGN_FORMATS",
+    "FORMATS",
+    "ForeignFormat",
     "ForeignSample",
     "ForeignReader",
+    "ForeignWriter",
+    "FormatOption",
     "detect_format",
     "open_foreign",
+    "open_writer",
+    "reader_options",
+    "writer_options",
 ]
+
+
+def reader_options() -> dict[str, tuple[str, FormatOption]]:
+    """Every format's reader options by name, each with the format that owns it."""
+    return {o.name: (f.name, o) for f in FORMATS.values() for o in f.reader_options}
+
+
+def writer_options() -> dict[str, tuple[str, FormatOption]]:
+    """Every format's writer options by name, each with the format that owns it."""
+    return {o.name: (f.name, o) for f in FORMATS.values() for o in f.writer_options}
 
 
 def _is_hsstore(path: Path) -> bool:
@@ -44,10 +86,6 @@ def _is_hsstore(path: Path) -> bool:
     return True
 
 
-def _has(path: Path, pattern: str) -> bool:
-    return next(iter(path.glob(pattern)), None) is not None
-
-
 def detect_format(path: str | os.PathLike) -> str:
     """Name the format of a directory: one of ALL_FORMATS, or BadInputError if none fits."""
     p = Path(path)
@@ -57,19 +95,43 @@ def detect_format(path: str | os.PathLike) -> str:
         raise BadInputError("not a directory", path=str(p))
     if _is_hsstore(p):
         return HSSTORE
-    if (p / "data_config.json").exists() or _has(p, "data_*.pt"):
-        return SPECULATORS_V1
-    if _has(p, "data_*.ckpt") or _has(p, "data_*.ckpt.gz") or _has(p, "rows_*/data_*.ckpt*"):
-        return SPECFORGE
-    if (p / "hidden_states").is_dir() and (_has(p, "*.arrow") or (p / "state.json").exists()):
-        return SPECULATORS_ARROW
-    if _has(p, "**/data_*.pt"):
-        return SPECULATORS_V1
+    scores = {name: f.detect(p) for name, f in FORMATS.items()}
+    best = max(scores, key=scores.__getitem__)  # the first of the surest
+    if scores[best]:
+        return best
+    markers = ", ".join(f.marker for f in FORMATS.values())
     raise BadInputError(
-        "cannot tell the format (no data_*.pt, data_*.ckpt[.gz], Arrow dataset or hsstore "
-        f"manifest); pass --from with one of {', '.join(ALL_FORMATS)}",
+        f"cannot tell the format (no {markers} or hsstore manifest); "
+        f"pass --from with one of {', '.join(ALL_FORMATS)}",
         path=str(p),
     )
+
+
+def _given(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options the caller set (a flag left off and a path left out are not set)."""
+    return {k: v for k, v in options.items() if v is not None and v is not False}
+
+
+def _own_options(
+    fmt: ForeignFormat,
+    owned: tuple[FormatOption, ...],
+    everyone: dict[str, tuple[str, FormatOption]],
+    options: Mapping[str, Any],
+    path: str,
+) -> dict[str, Any]:
+    """The options ``fmt`` takes; one it has no use for is refused in its owner's words."""
+    mine = {o.name for o in owned}
+    given = _given(options)
+    for name in given:
+        if name in mine:
+            continue
+        if name not in everyone:
+            raise TypeError(f"unknown format option {name!r}")
+        owner, option = everyone[name]
+        raise BadInputError(
+            option.refusal.format(flag=option.flag, owner=owner, fmt=fmt.name), path=path
+        )
+    return {k: v for k, v in given.items() if k in mine}
 
 
 def open_foreign(
@@ -78,33 +140,46 @@ def open_foreign(
     fmt: str | None = None,
     layer_ids: Sequence[int] | None = None,
     num_hidden_layers: int | None = None,
-    hidden_states_path: str | os.PathLike | None = None,
+    **options: Any,
 ) -> ForeignReader:
-    """Open a foreign dataset read-only, detecting its format unless ``fmt`` is given."""
+    """Open a foreign dataset read-only, detecting its format unless ``fmt`` is given.
+
+    ``options`` are a format's own reader options (``FORMATS[fmt].reader_options``, e.g.
+    ``hidden_states_path`` for speculators-arrow); one the format has no use for is refused.
+    """
     fmt = fmt or detect_format(path)
-    if fmt == SPECULATORS_V1:
-        from hsstore.io.speculators_v1 import SpeculatorsV1Reader as reader
-    elif fmt == SPECFORGE:
-        from hsstore.io.specforge import SpecForgeReader as reader
-    elif fmt == SPECULATORS_ARROW:
-        from hsstore.io.speculators_arrow import SpeculatorsArrowReader as reader
-    elif fmt == HSSTORE:
+    if fmt == HSSTORE:
         raise BadInputError(
             "is an hsstore dataset, not a foreign format; open it with hsstore.open", path=str(path)
         )
-    else:
+    if fmt not in FORMATS:
         raise BadInputError(
             f"unknown format {fmt!r}; known: {', '.join(FOREIGN_FORMATS)}", path=str(path)
         )
-    if fmt == SPECULATORS_ARROW:
-        return reader(
-            path,
-            layer_ids=layer_ids,
-            num_hidden_layers=num_hidden_layers,
-            hidden_states_path=hidden_states_path,
-        )
-    if hidden_states_path is not None:
+    spec = FORMATS[fmt]
+    own = _own_options(spec, spec.reader_options, reader_options(), options, str(path))
+    return spec.reader(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers, **own)
+
+
+def open_writer(
+    fmt: str,
+    ds: Dataset,
+    out: Path,
+    *,
+    source: str,
+    num_hidden_layers: int,
+    **options: Any,
+) -> ForeignWriter:
+    """A writer exporting the hsstore dataset ``ds`` to ``out`` in the format ``fmt``.
+
+    ``options`` are a format's own writer options (``FORMATS[fmt].writer_options``, e.g. ``fp8``
+    for speculators-arrow); one the format has no use for is refused.
+    """
+    spec = FORMATS.get(fmt)
+    if spec is None or spec.writer is None:
         raise BadInputError(
-            f"--hidden-states-path applies to speculators-arrow only, not {fmt}", path=str(path)
+            f"cannot export an hsstore dataset to {fmt!r}; known: {', '.join(EXPORT_FORMATS)}",
+            path=source,
         )
-    return reader(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
+    own = _own_options(spec, spec.writer_options, writer_options(), options, source)
+    return spec.writer(ds, out, source=source, num_hidden_layers=num_hidden_layers, **own)

@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,9 +335,61 @@ class ForeignWriter(ABC):
     def write(self, k: int, input_ids: Any, loss_mask: Any, hidden: Any) -> None:
         """Write sample k atomically."""
 
+    stores_fp8: bool = False  # write_fp8 takes an fp8 dataset's stored bits and scales
+
+    def write_fp8(self, k: int, input_ids: Any, fp8: Any, scales: Any) -> None:
+        """Sample k of an fp8 dataset as stored (only when ``stores_fp8``)."""
+        raise NotImplementedError(f"{self.format} does not store fp8 states")
+
     def finish(self) -> None:  # noqa: B027 (optional hook)
         """Write the files that describe the whole export (called after every sample)."""
 
     def notes(self) -> list[str]:
         """Lines the user needs to train on the output (e.g. which layer ids to pass)."""
         return []
+
+
+# ----------------------------------------------------------------------------- the registry
+
+# How sure a format's ``detect`` is: its own marker files at the top of the folder, or only
+# files that look like its samples somewhere below (which another format's markers outrank).
+NOT_MINE, NESTED, MINE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class FormatOption:
+    """A setting one format's reader or writer takes, with its ``hsstore convert`` flag.
+
+    ``name`` is the keyword the reader/writer factory takes; the flag is either a switch
+    (``is_flag``) or a path. ``refusal`` is the message for a format that has no use for it.
+    """
+
+    name: str
+    flag: str
+    help: str
+    is_flag: bool = False
+    refusal: str = "{flag} applies to {owner} only, not {fmt}"
+
+
+@dataclass(frozen=True)
+class ForeignFormat:
+    """One foreign format: everything ``hsstore.io`` and ``hsstore convert`` know of it.
+
+    ``detect(folder)`` returns NOT_MINE, NESTED or MINE. ``reader(path, *, layer_ids,
+    num_hidden_layers, **reader options)`` opens a source; ``writer(ds, out, *, source,
+    num_hidden_layers, **writer options)`` exports to it (None: import only). ``marker`` names
+    the files ``detect`` looks for, for the message when no format fits.
+    """
+
+    name: str
+    marker: str
+    detect: Callable[[Path], int]
+    reader: Callable[..., ForeignReader]
+    writer: Callable[..., ForeignWriter] | None = None
+    reader_options: tuple[FormatOption, ...] = ()
+    writer_options: tuple[FormatOption, ...] = ()
+
+
+def has_file(folder: Path, pattern: str) -> bool:
+    """Does any path under ``folder`` match the glob ``pattern``?"""
+    return next(iter(folder.glob(pattern)), None) is not None

@@ -54,9 +54,9 @@ def ordered_map(
 
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """Limit torch's intra-op pool while we run our own threads (it oversubscribes the cores
-    otherwise: measured on 2 busy cores, a bf16 stack ran at 0.26 GB/s with 2 torch threads and
-    5.9 GB/s with 1)."""
+    """Limit torch's intra-op pool while we run our own threads: otherwise each of our threads
+    wakes torch's whole pool for every small op, the cores are oversubscribed and a bf16 stack
+    runs an order of magnitude slower than on one torch thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -25,13 +25,18 @@ from hsstore.errors import BadInputError
 from hsstore.format.conventions import SPECFORGE, ConventionError, from_canonical, to_canonical
 from hsstore.format.layers import LayerSpec
 from hsstore.io.base import (
+    MINE,
+    NOT_MINE,
+    ForeignFormat,
     ForeignReader,
     ForeignSample,
     ForeignWriter,
+    FormatOption,
     atomic_write,
     check_finite,
     check_tokens,
     file_index,
+    has_file,
     int_view,
     natural_key,
     require_dir,
@@ -39,7 +44,7 @@ from hsstore.io.base import (
     strip_suffix,
     unique_stems,
 )
-from hsstore.io.final_norm import FinalNorm
+from hsstore.io.final_norm import FinalNorm, load_final_norm
 from hsstore.io.safe_load import load_torch_file
 
 FORMAT = "specforge"
@@ -296,3 +301,42 @@ class SpecForgeWriter(ForeignWriter):
         path.parent.mkdir(parents=True, exist_ok=True)
         obj = specforge_features(input_ids, loss_mask, hidden, self.norm)
         atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def open_writer(
+    ds: Dataset,
+    out: Path,
+    *,
+    source: str,
+    num_hidden_layers: int,
+    target: str | os.PathLike | None = None,
+) -> SpecForgeWriter:
+    """A writer for ``ds``; ``target`` (a model folder) gives the final norm a pre-norm final
+    state needs, and is not read when the state is already normed."""
+    norm = None
+    if target is not None and not ds.layers[-1].final_norm:
+        norm = load_final_norm(target, hidden_size=ds.hidden_size)
+    return SpecForgeWriter(ds, out, source=source, num_hidden_layers=num_hidden_layers, norm=norm)
+
+
+def detect(folder: Path) -> int:
+    patterns = ("data_*.ckpt", "data_*.ckpt.gz", "rows_*/data_*.ckpt*")
+    return MINE if any(has_file(folder, p) for p in patterns) else NOT_MINE
+
+
+FOREIGN_FORMAT = ForeignFormat(
+    name=FORMAT,
+    marker="data_*.ckpt[.gz]",
+    detect=detect,
+    reader=SpecForgeReader,
+    writer=open_writer,
+    writer_options=(
+        FormatOption(
+            "target",
+            "--target",
+            "the target model folder (config.json + safetensors); only its final norm is read, "
+            "to apply to a final state stored before the norm.",
+            refusal="{flag} is used only to apply the final norm for {owner}, not {fmt}",
+        ),
+    ),
+)

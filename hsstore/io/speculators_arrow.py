@@ -45,13 +45,18 @@ from hsstore.format.conventions import VLLM, ConventionError, from_canonical, to
 from hsstore.format.layers import LayerSpec
 from hsstore.io.base import (
     FLOAT_DTYPES,
+    MINE,
+    NOT_MINE,
+    ForeignFormat,
     ForeignReader,
     ForeignSample,
     ForeignWriter,
+    FormatOption,
     atomic_write,
     check_finite,
     check_hidden,
     check_tokens,
+    has_file,
     require_dir,
     write_json,
 )
@@ -366,7 +371,7 @@ class SpeculatorsArrowWriter(ForeignWriter):
     def __init__(
         self, ds: Dataset, out: Path, *, source: str, num_hidden_layers: int, fp8: bool = False
     ) -> None:
-        self.ds, self.out, self.fp8 = ds, out, fp8
+        self.ds, self.out, self.stores_fp8 = ds, out, fp8
         self.layer_ids = arrow_layer_ids(ds.layers, num_hidden_layers, source)
 
     def sample_path(self, k: int) -> Path:
@@ -377,7 +382,7 @@ class SpeculatorsArrowWriter(ForeignWriter):
 
     def write(self, k: int, input_ids, loss_mask, hidden) -> None:
         (self.out / HS_DIR).mkdir(exist_ok=True)
-        write_hidden_states(self.sample_path(k), input_ids, hidden, fp8=self.fp8)
+        write_hidden_states(self.sample_path(k), input_ids, hidden, fp8=self.stores_fp8)
 
     def write_fp8(self, k: int, input_ids, fp8, scales) -> None:
         """Sample k of an fp8 dataset: its stored bits and per-token scales, not requantized."""
@@ -394,5 +399,39 @@ class SpeculatorsArrowWriter(ForeignWriter):
         return [
             f"vLLM layer ids {','.join(map(str, self.layer_ids))} (speculators' "
             f"--target-layer-ids {aux}; it appends the final layer {self.layer_ids[-1]} itself)"
-            + ("; states are fp8: train with --hidden-states-backend fp8" if self.fp8 else "")
+            + (
+                "; states are fp8: train with --hidden-states-backend fp8"
+                if self.stores_fp8
+                else ""
+            )
         ]
+
+
+def detect(folder: Path) -> int:
+    arrow = has_file(folder, "*.arrow") or (folder / "state.json").exists()
+    return MINE if (folder / HS_DIR).is_dir() and arrow else NOT_MINE
+
+
+FOREIGN_FORMAT = ForeignFormat(
+    name=FORMAT,
+    marker="Arrow dataset",
+    detect=detect,
+    reader=SpeculatorsArrowReader,
+    writer=SpeculatorsArrowWriter,
+    reader_options=(
+        FormatOption(
+            "hidden_states_path",
+            "--hidden-states-path",
+            "the hs_{i}.safetensors folder when it is not DIR/hidden_states.",
+        ),
+    ),
+    writer_options=(
+        FormatOption(
+            "fp8",
+            "--fp8",
+            "store float8_e4m3fn states with per-token scales, as hs-connectors' FP8 connector "
+            "writes them.",
+            is_flag=True,
+        ),
+    ),
+)

@@ -35,6 +35,10 @@ from hsstore.format.conventions import (
 )
 from hsstore.format.layers import LayerSpec
 from hsstore.io.base import (  # noqa: F401 (atomic_write, write_json: this module's API)
+    MINE,
+    NESTED,
+    NOT_MINE,
+    ForeignFormat,
     ForeignReader,
     ForeignSample,
     ForeignWriter,
@@ -44,6 +48,7 @@ from hsstore.io.base import (  # noqa: F401 (atomic_write, write_json: this modu
     check_tokens,
     dtype_name,
     file_index,
+    has_file,
     require_dir,
     require_keys,
     stack_layers,
@@ -449,3 +454,19 @@ class SpeculatorsV1Writer(ForeignWriter):
             f"data_config.json layer_ids {self.layer_ids} are v1 ids; speculators 0.7+ "
             f"--target-layer-ids takes vLLM ids: {','.join(map(str, vllm))}"
         ]
+
+
+def detect(folder: Path) -> int:
+    """Its config or data files at the top; data files only in subfolders rank below others."""
+    if (folder / CONFIG_FILE).exists() or has_file(folder, "data_*.pt"):
+        return MINE
+    return NESTED if has_file(folder, "**/data_*.pt") else NOT_MINE
+
+
+FOREIGN_FORMAT = ForeignFormat(
+    name=FORMAT,
+    marker="data_*.pt",
+    detect=detect,
+    reader=SpeculatorsV1Reader,
+    writer=SpeculatorsV1Writer,
+)

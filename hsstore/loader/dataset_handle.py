@@ -22,15 +22,9 @@ from hsstore import fp8
 from hsstore.dataset import Dataset
 from hsstore.dataset import open as open_dataset
 from hsstore.errors import BadInputError
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
-
-
-def _deepest(layers: list[LayerSpec]) -> int:
-    """Position of the deepest stored layer (final norm wins a tie): the verifier's state."""
-    keys = [(spec.depth, spec.final_norm, i) for i, spec in enumerate(layers)]
-    return max(keys)[2]
 
 
 @dataclass(frozen=True)
@@ -53,7 +47,7 @@ class LayerChoice:
         cls, layers: list[LayerSpec], aux_layers: list[int] | None, verifier: bool
     ) -> LayerChoice:
         n = len(layers)
-        deepest = _deepest(layers) if n else None
+        deepest = verifier_position(layers) if n else None
         if aux_layers is None:
             aux = [i for i in range(n) if i != deepest]
         else:

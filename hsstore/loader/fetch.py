@@ -9,9 +9,8 @@ reading the sample. The tasks claim the batch's samples one at a time, in storag
 chunk that two neighbouring samples share is decoded once and files are read forwards. While
 they run, the producer writes the batch's padding and gathers all its token columns at once.
 With a single decode thread there is no pool: the producer decodes each batch itself, after
-its padding and token columns. Handing every batch to another thread bought an overlap of
-about half a millisecond per batch and cost as much in GIL hand-offs: the decoding thread
-blocked on the GIL some 15 times per batch (measured on 2 shared cores). Padding is written
+its padding and token columns: handing every batch to another thread would overlap only that
+short work, and cost as much again in GIL hand-offs between the two threads. Padding is written
 only where a buffer may hold stale rows (``HostBuffers.clean_from``). Before a batch is
 decoded, the next one's samples are handed to the storage (`Dataset.will_read`): on local disk
 their chunks come in from the device while this batch decodes. At most ``prefetch``
@@ -20,8 +19,8 @@ whatever the speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
-a busy machine (3 to 7 ms stalls measured inside the hand-off on two shared cores, most of a
-small model's data wait). A used buffer therefore goes back quietly while another decoded
+a busy machine (a stall of milliseconds inside the hand-off, most of a small model's data
+wait). A used buffer therefore goes back quietly while another decoded
 batch is waiting, and the producer finds it by polling; it is woken only when the queue is
 about to run dry.
 """

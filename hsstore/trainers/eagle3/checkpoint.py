@@ -62,17 +62,17 @@ def sglang_layer_ids(
     every target. Otherwise the target's rule decides: ids are the depths themselves for
     SGLANG_FIRST_ID_RULE_TARGETS (with 1 not first), depth - 1 for the rest.
     """
-    depths = sorted(spec.depth for spec in aux_layers)
-    if 2 in depths:
-        return [1] + [d - 1 for d in depths if d != 2]
-    if target_architecture in SGLANG_FIRST_ID_RULE_TARGETS:
-        if depths == [1]:
-            raise ValueError(
-                f"SGLang cannot capture depth 1 alone on {target_architecture}: its rule reads "
-                "a leading id 1 as depth 2; train with more aux layers (or include depth 2)"
-            )
-        return [d for d in depths if d != 1] + [d for d in depths if d == 1]
-    return [d - 1 for d in depths]  # models/llama.py: layers_to_capture = [id + 1 ...]
+    from hsstore.format import conventions
+
+    first_id_rule = target_architecture in SGLANG_FIRST_ID_RULE_TARGETS
+    rule = conventions.SGLANG_DEEPSEEK if first_id_rule else conventions.SGLANG_LLAMA
+    try:
+        return conventions.sglang_ids([s.depth for s in aux_layers], num_hidden_layers, rule)
+    except conventions.ConventionError as exc:
+        raise conventions.ConventionError(
+            f"{exc.message} ({target_architecture}); train with more aux layers (or include "
+            "depth 2)"
+        ) from None
 
 
 def framework_layer_ids(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hsstore.format.layers import verifier_position
 from hsstore.format.runs import completion
 from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
@@ -217,7 +218,7 @@ def split_layers(
     The verifier is the deepest stored state (the loader's default); the rest are aux layers.
     Soft targets need it to be the target's last layer; next-token training does not use it.
     """
-    deepest = max(range(len(layers)), key=lambda i: (layers[i].depth, layers[i].final_norm))
+    deepest = verifier_position(layers)
     if need_last and num_hidden_layers is not None and layers[deepest].depth != num_hidden_layers:
         raise ValueError(
             f"deepest stored layer has depth {layers[deepest].depth}, the model has "
