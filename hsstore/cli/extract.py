@@ -57,6 +57,11 @@ from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
 )
 @click.option("--codec", type=click.Choice(CODEC_NAMES), default=DEFAULT_CODEC, show_default=True)
 @click.option(
+    "--tier",
+    help="Lossy tier to store the states in: lossless (default), fp8-token, fp8-token-layer "
+    "or bf16-m0..bf16-m6 (docs/CONVERT.md, Lossy tiers).",
+)
+@click.option(
     "--commit-every", type=int, default=512, show_default=True, help="Samples per commit."
 )
 @click.option("--commit-seconds", type=float, default=300.0, show_default=True)
@@ -99,6 +104,7 @@ def command(
     device: str,
     dtype: str,
     codec: str,
+    tier: str | None,
     commit_every: int,
     commit_seconds: float,
     tp_size: int | None,
@@ -111,6 +117,9 @@ def command(
 ) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
     from hsstore.extract.runner import ExtractOptions, run_extract
+    from hsstore.format.tiers import checked
+
+    checked(tier)  # an unknown name fails before any model is loaded
 
     backend_options = {}
     if backend == "sglang":
@@ -136,6 +145,7 @@ def command(
             device=device,
             dtype=dtype,
             codec=codec,
+            tier=tier,
             commit_every=commit_every,
             commit_seconds=commit_seconds,
             progress=not no_progress,

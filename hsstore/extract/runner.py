@@ -51,6 +51,7 @@ class ExtractOptions:
     device: str = "auto"
     dtype: str = "auto"
     codec: str = DEFAULT_CODEC
+    tier: str | None = None  # a lossy tier (hsstore.format.tiers); None: lossless
     commit_every: int = 512
     commit_seconds: float = 300.0
     max_queue: int = 4
@@ -266,17 +267,22 @@ def _ensure_dataset(
                     "max_length": opts.max_length,
                 },
                 exist_ok=True,  # another node's --shard may have created it meanwhile
+                tier=opts.tier,
             )
         except ConflictError as exc:
             raise BadInputError(f"{exc.message}; use another --out", path=opts.out) from None
         return
+    from hsstore.format import tiers
+
+    tier = tiers.checked(opts.tier)
     ds.manifest.check_compatible(
         layers,
         hidden_size=h,
-        dtype=dtype,
+        dtype=dtype if tier is None else tier.dtype,
         num_hidden_layers=int(config.num_hidden_layers),
         path=opts.out,
     )
+    tiers.check_same(ds.manifest.tier, tier, path=opts.out)
 
 
 def _device(name: str) -> str:

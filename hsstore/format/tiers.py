@@ -133,6 +133,14 @@ def parse(name: str | None) -> Tier | None:
     )
 
 
+def checked(name: str | None, *, option: str = "--tier") -> Tier | None:
+    """`parse` for user input: an unknown name is a BadInputError naming the option."""
+    try:
+        return parse(name)
+    except ValueError as exc:
+        raise BadInputError(f"{option}: {exc}") from None
+
+
 def name_of(tier: Tier | None) -> str:
     return LOSSLESS if tier is None else tier.name
 
