@@ -21,6 +21,24 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _lossy(src, reference: str | None, opts) -> dict | None:  # noqa: ANN001
+    """The lossy-tier report of an hsstore dataset (None for a foreign directory)."""
+    import hsstore
+    from hsstore.audit.inputs import HsstoreSource
+    from hsstore.audit.lm_head import load_output_head
+    from hsstore.audit.lossy import lossy_report
+    from hsstore.errors import BadInputError
+
+    if not isinstance(src, HsstoreSource):
+        if reference is not None:
+            raise BadInputError("--reference applies to hsstore datasets only", path=str(src.path))
+        return None
+    ref = hsstore.open(reference) if reference is not None else None
+    head = load_output_head(opts.lm_head) if ref is not None and opts.lm_head else None
+    return lossy_report(src.ds, ref, head=head, sample_tokens=None if opts.full else
+                        opts.sample_tokens, seed=opts.seed, lm_tokens=opts.lm_head_tokens)  # fmt: skip
+
+
 @click.command(name="inspect")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
@@ -61,6 +79,13 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
     default=None,
     help="Foreign directories: the model's decoder layer count, when not recorded.",
 )
+@click.option(
+    "--reference",
+    type=str,
+    default=None,
+    help="A dataset holding the same samples at full precision: report the lossy tier's "
+    "measured error per layer (and, with --lm-head, the head's top-1 agreement).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (docs/INSPECT.md).")
 @click.option(
     "--plot",
@@ -79,6 +104,7 @@ def command(
     lm_head_tokens: int,
     layer_ids: list[int] | None,
     num_hidden_layers: int | None,
+    reference: str | None,
     as_json: bool,
     plot: str | None,
 ) -> None:  # fmt: skip
@@ -90,6 +116,7 @@ def command(
     opts = AuditOptions(sample_tokens=sample_tokens, full=full, seed=seed, lm_head=lm_head,
                         lm_head_tokens=lm_head_tokens)  # fmt: skip
     result = run_audit(src, opts)
+    lossy = _lossy(src, reference, opts)
     if plot:
         import numpy as np
 
@@ -100,7 +127,11 @@ def command(
             lengths = np.array(result.read_lengths)
         save_plot(result, lengths, plot)
     if as_json:
-        emit_json(to_json(result))
+        emit_json(to_json(result) | ({} if lossy is None else {"lossy": lossy}))
     else:
         click.echo(to_text(result))
+        from hsstore.audit.lossy import to_text as lossy_text
+
+        if lossy is not None and lossy_text(lossy):
+            click.echo("\n".join(lossy_text(lossy)))
     sys.exit(EXIT_CHECK_FAILED if result.verdict is Verdict.FAIL else EXIT_OK)
