@@ -70,9 +70,10 @@ def states_array_json(
 def column_array_json(
     *, num_rows: int, dtype: np.dtype, zstd_level: int, width: int | None = None
 ) -> bytes:
-    """A per-token column stored as a single zstd-compressed chunk; ``width`` values per row
-    make it [rows, width] (the per-layer scales of the fp8-token-layer tier)."""
-    shape = [num_rows] if width is None else [num_rows, width]
+    """A per-token column stored as a single zstd-compressed chunk; with ``width`` values per
+    row (the per-layer scales of the fp8-token-layer tier) it holds ``num_rows * width``
+    values, row after row: flat, so its one chunk keeps the key ``c/0`` of every column."""
+    shape = [num_rows if width is None else num_rows * width]
     doc = {
         "zarr_format": 3,
         "node_type": "array",
@@ -89,7 +90,7 @@ def column_array_json(
             {"name": "crc32c"},
         ],
         "attributes": {},
-        "dimension_names": ["token"] if width is None else ["token", "layer"],
+        "dimension_names": ["token" if width is None else "token_layer"],
     }
     return json.dumps(doc, indent=1).encode()
 
