@@ -250,15 +250,13 @@ def prepare(
         if scales is not None:
             return hidden, scales  # the writer refuses scales beside unscaled states
         values = hidden
-    if tier.scaled:
-        finite = torch.isfinite(values.float()) if values.dtype != torch.float32 else None
-        if not bool((finite if finite is not None else torch.isfinite(values)).all()):
-            raise BadInputError(
-                f"hidden holds NaN or Inf, which tier {tier.name} cannot scale "
-                "(store it lossless, or in a bf16-mK tier, which keeps them)",
-                path=where,
-                sample_id=sample_id,
-            )
+    if tier.scaled and not bool(torch.isfinite(values).all()):
+        raise BadInputError(
+            f"hidden holds NaN or Inf, which tier {tier.name} cannot scale "
+            "(store it lossless, or in a bf16-mK tier, which keeps them)",
+            path=where,
+            sample_id=sample_id,
+        )
     return quantize(tier, values)
 
 
