@@ -367,3 +367,25 @@ def test_fp8_tiers_refuse_non_finite_states(tmp_path):
     with ds.writer() as w, pytest.raises(BadInputError, match="NaN or Inf, which tier fp8-token"):
         w.add("bad", torch.arange(4), torch.ones(4, dtype=torch.long), hidden)
     assert hsstore.open(tmp_path / "ds").sample_ids == []
+
+
+def test_inspect_lm_head_agreement_of_the_stored_final_state(tmp_path):
+    from hsstore.demo_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden=H, layers=4, vocab=512)
+    samples = data()
+    write(tmp_path / "ref", samples)
+    write(tmp_path / "m0", samples, "bf16-m0")
+
+    def agreement(path: str) -> dict:
+        r = CliRunner().invoke(main, ["inspect", str(tmp_path / path), "--reference",
+                                      str(tmp_path / "ref"), "--lm-head", str(model_dir),
+                                      "--json"])  # fmt: skip
+        assert r.exit_code in (0, 1), r.output  # checks may WARN/FAIL on random states
+        return json.loads(r.output)["lossy"]["lm_head"]
+
+    same, lossy = agreement("ref"), agreement("m0")
+    tokens = sum(len(ids) for ids, _, _ in samples)
+    assert same == {"layer": 3, "tokens": tokens, "top1_agreement": 1.0}
+    assert lossy["layer"] == 3 and lossy["tokens"] == tokens
+    assert 0.3 < lossy["top1_agreement"] < 1.0  # one mantissa bit kept: some tokens flip

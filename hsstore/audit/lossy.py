@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hsstore.audit.inputs import HsstoreSource
 from hsstore.audit.lm_head import OutputHead
+from hsstore.audit.run import _final_layers as final_layers
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
 from hsstore.format.tiers import Tier, name_of
@@ -75,11 +77,6 @@ class _LayerError:
         }
 
 
-def _final_layers(ds: Dataset) -> list[int]:
-    n = ds.manifest.model.num_hidden_layers
-    return [i for i, s in enumerate(ds.layers) if s.final_norm or (n is not None and s.depth == n)]
-
-
 def lossy_report(
     ds: Dataset,
     reference: Dataset | None = None,
@@ -113,7 +110,7 @@ def lossy_report(
     _check_same_states(ds, reference)
     report["reference"] = {"path": str(reference.path), "tier": name_of(reference.manifest.tier)}
     errors = [_LayerError() for _ in layers]
-    final = _final_layers(ds)
+    final = final_layers(HsstoreSource(ds))
     agree = total = 0
     tokens = missing = compared = 0
     order = np.random.default_rng(seed).permutation(len(ds))
