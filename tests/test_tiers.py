@@ -318,9 +318,11 @@ def test_exports_respect_the_tier(tmp_path):
     write(tmp_path / "layer", samples, "fp8-token-layer")
     runner = CliRunner()
     for src, name, extra in (("fp8", "arrow-fp8", ["--fp8"]), ("fp8", "arrow", []),
-                             ("layer", "arrow-layer", [])):  # fmt: skip
-        r = runner.invoke(main, ["convert", str(tmp_path / src), str(tmp_path / name), "--to",
-                                 "speculators-arrow", "--no-progress", *extra])  # fmt: skip
+                             ("layer", "arrow-layer", []), ("layer", "v1-layer", ["--to",
+                             "speculators-v1"])):  # fmt: skip
+        to = [] if "--to" in extra else ["--to", "speculators-arrow"]
+        r = runner.invoke(main, ["convert", str(tmp_path / src), str(tmp_path / name), *to,
+                                 "--no-progress", *extra])  # fmt: skip
         assert r.exit_code == 0, r.output
     layer = hsstore.open(tmp_path / "layer")
     for k, (_ids, _mask, hidden) in enumerate(samples):
@@ -332,6 +334,8 @@ def test_exports_respect_the_tier(tmp_path):
         assert bits(plain["hidden_states"]) == bits(fp8_utils.dequantize_fp8_tensor(q, scale))
         per_layer = load_file(tmp_path / "arrow-layer" / "hidden_states" / f"hs_{k}.safetensors")
         assert bits(per_layer["hidden_states"]) == bits(layer[k].dequantized())
+        v1 = torch.load(tmp_path / "v1-layer" / f"data_{k}.pt", weights_only=True)
+        assert bits(torch.stack(v1["hidden_states"], dim=1)) == bits(layer[k].dequantized())
 
 
 def test_reencode_between_tiers(tmp_path):
