@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.audit.inputs import HsstoreSource
-from hsstore.audit.lm_head import OutputHead
+from hsstore.audit.inputs import AuditSource, HsstoreSource
+from hsstore.audit.lm_head import OutputHead, load_output_head
+from hsstore.audit.run import AuditOptions
 from hsstore.audit.run import _final_layers as final_layers
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
@@ -153,6 +154,22 @@ def lossy_report(
             else {"layer": None, "tokens": 0, "top1_agreement": None}
         )
     return report
+
+
+def source_report(src: AuditSource, reference: str | None, opts: AuditOptions) -> dict | None:
+    """inspect's lossy report of an audited source (None for a foreign directory):
+    ``reference`` a dataset path, ``opts`` the audit's sampling and ``--lm-head``."""
+    import hsstore
+
+    if not isinstance(src, HsstoreSource):
+        if reference is not None:
+            raise BadInputError("--reference applies to hsstore datasets only", path=str(src.path))
+        return None
+    ref = hsstore.open(reference) if reference is not None else None
+    head = load_output_head(opts.lm_head) if ref is not None and opts.lm_head else None
+    tokens = None if opts.full else opts.sample_tokens
+    return lossy_report(src.ds, ref, head=head, sample_tokens=tokens, seed=opts.seed,
+                        lm_tokens=opts.lm_head_tokens)  # fmt: skip
 
 
 def to_text(report: dict[str, Any]) -> list[str]:

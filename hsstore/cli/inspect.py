@@ -21,24 +21,6 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _lossy(src, reference: str | None, opts) -> dict | None:  # noqa: ANN001
-    """The lossy-tier report of an hsstore dataset (None for a foreign directory)."""
-    import hsstore
-    from hsstore.audit.inputs import HsstoreSource
-    from hsstore.audit.lm_head import load_output_head
-    from hsstore.audit.lossy import lossy_report
-    from hsstore.errors import BadInputError
-
-    if not isinstance(src, HsstoreSource):
-        if reference is not None:
-            raise BadInputError("--reference applies to hsstore datasets only", path=str(src.path))
-        return None
-    ref = hsstore.open(reference) if reference is not None else None
-    head = load_output_head(opts.lm_head) if ref is not None and opts.lm_head else None
-    return lossy_report(src.ds, ref, head=head, sample_tokens=None if opts.full else
-                        opts.sample_tokens, seed=opts.seed, lm_tokens=opts.lm_head_tokens)  # fmt: skip
-
-
 @click.command(name="inspect")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option(
@@ -110,13 +92,14 @@ def command(
 ) -> None:  # fmt: skip
     """Audit PATH (an hsstore dataset, or a directory `convert` reads) for silent data faults."""
     from hsstore.audit import AuditOptions, Verdict, open_audit_source, run_audit
+    from hsstore.audit.lossy import source_report
     from hsstore.audit.report import to_json, to_text
 
     src = open_audit_source(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
     opts = AuditOptions(sample_tokens=sample_tokens, full=full, seed=seed, lm_head=lm_head,
                         lm_head_tokens=lm_head_tokens)  # fmt: skip
     result = run_audit(src, opts)
-    lossy = _lossy(src, reference, opts)
+    lossy = source_report(src, reference, opts)
     if plot:
         import numpy as np
 
