@@ -49,7 +49,8 @@ class Sample:
     """One sample: token ids, loss mask and hidden states [T, num_layers, H] as stored.
 
     In a ``float8_e4m3fn`` dataset ``hidden`` holds the fp8 states and ``scales`` their float32
-    per-token scales [T] (None for every other dtype); `dequantized` gives the values.
+    per-token scales [T] ([T, L] in the fp8-token-layer tier; None for every other dtype);
+    `dequantized` gives the values.
     """
 
     sample_id: str

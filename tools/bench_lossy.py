@@ -23,8 +23,8 @@ training targets too, as in speculators' and SpecForge's trainers). Its accuracy
 with what a serving engine hands a drafter, full-precision features: on the lossless states
 of the same samples, as the share of draft positions of all steps whose top-1 token is the
 target head's top-1 on the lossless final state, against the drafter trained on lossless
-states. (The same samples, not held-out ones: 64 greedy continuations of a random model are
-memorised, not generalised; held out, every drafter scores under 1%.)
+states. (The same samples, not held-out ones: a drafter memorises 64 greedy continuations of
+a random model rather than generalising from them.)
 
 The headline ratio of a tier is its worst over the synthetic and MiniLM sets. The target
 set's ratio is printed but left out: its states are a toy's (64 wide, 48-token samples, each
