@@ -128,12 +128,12 @@ def _check_compatible(
 ) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
     wanted = tiers.checked(tier)
+    tiers.check_same(ds.manifest.tier, wanted, path=dst.root)  # first: it decides the dtype
     dtype = reader.dtype if wanted is None else wanted.dtype
     # The source's layer count may be inferred from its ids, so it is not compared.
     ds.manifest.check_compatible(
         reader.layers, hidden_size=reader.hidden_size, dtype=dtype, path=dst.root
     )
-    tiers.check_same(ds.manifest.tier, wanted, path=dst.root)
 
 
 @single_torch_thread

@@ -191,6 +191,7 @@ def create(
 
 def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
     ds = Dataset(storage)
+    tiers.check_same(ds.manifest.tier, wanted.tier, path=storage.root)  # first: it sets dtype
     ds.manifest.check_compatible(
         wanted.layers,
         hidden_size=wanted.hidden_size,
@@ -198,7 +199,6 @@ def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
         num_hidden_layers=wanted.model.num_hidden_layers,
         path=storage.root,
     )
-    tiers.check_same(ds.manifest.tier, wanted.tier, path=storage.root)
     return ds
 
 

@@ -396,3 +396,34 @@ def test_inspect_lm_head_agreement_of_the_stored_final_state(tmp_path):
     assert same == {"layer": 3, "tokens": tokens, "top1_agreement": 1.0}
     assert lossy["layer"] == 3 and lossy["tokens"] == tokens
     assert 0.3 < lossy["top1_agreement"] < 1.0  # one mantissa bit kept: some tokens flip
+
+
+def test_extract_writes_its_tier(tmp_path):
+    from hsstore.demo_model import build_tiny_model
+
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    model = build_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"the quick fox {i}"},
+                                 {"role": "assistant", "content": "jumps over " * (i + 1)}]}) + "\n"
+        for i in range(3)
+    ))  # fmt: skip
+
+    def extract(out: str, *tier: str) -> CliRunner:
+        args = ["extract", "--model", str(model), "--data", str(prompts), "--out",
+                str(tmp_path / out), "--device", "cpu", "--dtype", "bfloat16", "--no-progress",
+                *tier]  # fmt: skip
+        return CliRunner().invoke(main, args)
+
+    for out, tier in (("plain", ()), ("fp8", ("--tier", "fp8-token"))):
+        r = extract(out, *tier)
+        assert r.exit_code == 0, r.output
+    plain, fp8 = hsstore.open(tmp_path / "plain"), hsstore.open(tmp_path / "fp8")
+    assert fp8.manifest.tier.name == "fp8-token" and plain.manifest.tier is None
+    assert fp8.sample_ids == plain.sample_ids and len(plain) == 3
+    for k in range(len(plain)):
+        q, scale = fp8_utils.quantize_tensor_to_fp8(plain[k].hidden)
+        assert bits(fp8[k].hidden) == bits(q) and bits(fp8[k].scales) == bits(scale.reshape(-1))
+    r = extract("fp8", "--tier", "bf16-m3")  # a rerun into it must keep its tier
+    assert r.exit_code == 2 and "tier fp8-token (asked for bf16-m3)" in r.output, r.output

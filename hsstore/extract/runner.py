@@ -275,6 +275,7 @@ def _ensure_dataset(
     from hsstore.format import tiers
 
     tier = tiers.checked(opts.tier)
+    tiers.check_same(ds.manifest.tier, tier, path=opts.out)  # first: it decides the dtype
     ds.manifest.check_compatible(
         layers,
         hidden_size=h,
@@ -282,7 +283,6 @@ def _ensure_dataset(
         num_hidden_layers=int(config.num_hidden_layers),
         path=opts.out,
     )
-    tiers.check_same(ds.manifest.tier, tier, path=opts.out)
 
 
 def _device(name: str) -> str:
