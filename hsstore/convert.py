@@ -19,6 +19,7 @@ from typing import Any
 
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError, HsstoreError
+from hsstore.format import tiers
 from hsstore.format.locations import is_url, open_storage
 from hsstore.format.store import Storage
 from hsstore.io import (
@@ -81,7 +82,12 @@ class ConvertResult:
 
 
 def _open_or_create(
-    reader: ForeignReader, dst: Storage, *, model_name: str | None, codec: str | None
+    reader: ForeignReader,
+    dst: Storage,
+    *,
+    model_name: str | None,
+    codec: str | None,
+    tier: str | None = None,
 ):
     import hsstore
 
@@ -94,7 +100,7 @@ def _open_or_create(
                 "choose a new path or an existing dataset to resume",
                 path=dst.root,
             ) from None
-        _check_compatible(ds, reader, dst)
+        _check_compatible(ds, reader, dst, tier)
         return ds
     model = dict(reader.model or {})
     if model_name:
@@ -109,15 +115,21 @@ def _open_or_create(
         dtype=reader.dtype,
         model=model,
         provenance={"created_by": "hsstore convert", **reader.provenance()},
+        tier=tier,
         **kwargs,
     )
 
 
-def _check_compatible(ds: Dataset, reader: ForeignReader, dst: Storage) -> None:
+def _check_compatible(
+    ds: Dataset, reader: ForeignReader, dst: Storage, tier: str | None = None
+) -> None:
     """Resuming into an existing dataset only makes sense if it describes the same states."""
+    wanted = tiers.checked(tier)
+    tiers.check_same(ds.manifest.tier, wanted, path=dst.root)  # first: it decides the dtype
+    dtype = reader.dtype if wanted is None else wanted.dtype
     # The source's layer count may be inferred from its ids, so it is not compared.
     ds.manifest.check_compatible(
-        reader.layers, hidden_size=reader.hidden_size, dtype=reader.dtype, path=dst.root
+        reader.layers, hidden_size=reader.hidden_size, dtype=dtype, path=dst.root
     )
 
 
@@ -137,6 +149,7 @@ def convert_to_hsstore(
     on_error: str = "fail",
     progress: bool = True,
     on_problem: Callable[[str, str], None] | None = None,
+    tier: str | None = None,
     **format_options: Any,
 ) -> ConvertResult:
     """Convert a foreign dataset at ``src`` into the hsstore dataset ``dst`` (created or resumed).
@@ -160,7 +173,7 @@ def convert_to_hsstore(
         num_hidden_layers=num_hidden_layers,
         **format_options,
     )
-    ds = _open_or_create(reader, dst_storage, model_name=model_name, codec=codec)
+    ds = _open_or_create(reader, dst_storage, model_name=model_name, codec=codec, tier=tier)
     present = set(ds.sample_ids)
     ids = reader.sample_ids()
     todo = [i for i, sid in enumerate(ids) if sid not in present]
@@ -289,7 +302,9 @@ def export(
 
     def export_one(k: int) -> int:
         s = ds[k]
-        if s.scales is not None and writer.stores_fp8:
+        # Per-token scales only: hs-connectors' files have no per-layer ones (fp8-token-layer
+        # states leave dequantized, and the writer quantizes them per token).
+        if s.scales is not None and s.scales.dim() == 1 and writer.stores_fp8:
             writer.write_fp8(k, s.input_ids, s.hidden, s.scales)  # the stored bits, not requantized
         else:  # fp8 states leave dequantized, as speculators' trainer reads them
             writer.write(k, s.input_ids, s.loss_mask, s.dequantized())
@@ -322,7 +337,12 @@ def export_to_v1(src: str | os.PathLike, out: str | os.PathLike, **kwargs: Any) 
 
 # Options of one direction only, with the CLI flag that sets them (for the refusal message):
 # the formats' own reader options are import-only too, their writer options export-only.
-_IMPORT_ONLY = {"layer_ids": "--layer-ids", "model_name": "--model", "codec": "--codec"}
+_IMPORT_ONLY = {
+    "layer_ids": "--layer-ids",
+    "model_name": "--model",
+    "codec": "--codec",
+    "tier": "--tier",
+}
 
 
 def _flags(options: dict) -> dict[str, str]:
@@ -348,6 +368,12 @@ def convert(
     # Foreign formats are local directories; a URL source can only be an hsstore dataset.
     src_format = src_format or (HSSTORE if is_url(src) else detect_format(src))
     given = {k for k, v in kwargs.items() if v is not None and v is not False}
+    if "tier" in given:
+        tiers.checked(kwargs["tier"])
+    if src_format == HSSTORE and (dst_format == HSSTORE or (not dst_format and "tier" in given)):
+        from hsstore.reencode import reencode
+
+        return reencode(src, dst, make_result=ConvertResult, **kwargs)
     import_only = {**_IMPORT_ONLY, **_flags(reader_options())}
     export_only = _flags(writer_options())
     if src_format == HSSTORE:

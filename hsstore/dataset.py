@@ -26,7 +26,7 @@ from hsstore.errors import (
     IntegrityError,
     StorageError,
 )
-from hsstore.format import commit, paths, zarr_meta
+from hsstore.format import commit, paths, tiers, zarr_meta
 from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.layout import Layout
@@ -49,7 +49,8 @@ class Sample:
     """One sample: token ids, loss mask and hidden states [T, num_layers, H] as stored.
 
     In a ``float8_e4m3fn`` dataset ``hidden`` holds the fp8 states and ``scales`` their float32
-    per-token scales [T] (None for every other dtype); `dequantized` gives the values.
+    per-token scales [T] ([T, L] in the fp8-token-layer tier; None for every other dtype);
+    `dequantized` gives the values.
     """
 
     sample_id: str
@@ -86,8 +87,12 @@ def create(
     sample_aligned: bool | None = None,
     provenance: Mapping[str, Any] | None = None,
     exist_ok: bool = False,
+    tier: str | None = None,
 ) -> Dataset:
     """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
+
+    ``tier`` (default lossless) picks a lossy tier (`hsstore.format.tiers`): the writer then
+    takes states of any float dtype and stores them in the tier's dtype (``dtype`` is not used).
 
     ``sample_aligned`` (default: whenever the codec compresses) starts every sample at a chunk
     boundary, so a random read decodes only its own rows; chunks are ~``chunk_bytes`` (default
@@ -108,7 +113,11 @@ def create(
         )
     except (ValueError, TypeError, KeyError) as exc:
         raise BadInputError(f"bad layer spec: {exc}", path=str(path)) from None
-    name = dtype_name(dtype)
+    try:
+        tier_record = tiers.parse(tier)
+    except ValueError as exc:
+        raise BadInputError(str(exc), path=str(path)) from None
+    name = dtype_name(dtype) if tier_record is None else tier_record.dtype
     codec_cfg = codec if isinstance(codec, CodecConfig) else CodecConfig(name=codec)
     model_info = model if isinstance(model, ModelInfo) else ModelInfo.from_json(dict(model or {}))
     n_layers = model_info.num_hidden_layers
@@ -154,6 +163,7 @@ def create(
         layout=layout,
         provenance=dict(provenance or {}),
         columns=columns_for(name),
+        tier=tier_record,
     )
     storage = open_storage(path)
     data = man.to_bytes()
@@ -181,6 +191,7 @@ def create(
 
 def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
     ds = Dataset(storage)
+    tiers.check_same(ds.manifest.tier, wanted.tier, path=storage.root)  # first: it sets dtype
     ds.manifest.check_compatible(
         wanted.layers,
         hidden_size=wanted.hidden_size,
@@ -593,6 +604,7 @@ class Dataset:
         ids, mask, scales = self._decode(
             i, layers, storage_view(out), columns=True, threads=threads
         )
+        scales = tiers.scales_for_layers(scales, layers)
         if values_out is not None:
             fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
             out = values_out

@@ -37,7 +37,8 @@ def dequantize(
 ) -> torch.Tensor:
     """``fp8.to(dtype) * scale.to(dtype)`` per token: hs-connectors' ``dequantize_fp8_tensor``.
 
-    ``fp8`` is [T, ...] and ``scales`` holds T values (any shape, e.g. [T] or [T, 1, 1]).
+    ``fp8`` is [T, ...] and ``scales`` holds T values (any shape, e.g. [T] or [T, 1, 1]), or
+    one per token and layer ([T, L] for [T, L, H] states: the fp8-token-layer tier).
     """
-    scale = scales.reshape(-1, *([1] * (fp8.dim() - 1))).to(dtype)
+    scale = scales.reshape(fp8.shape[0], -1, *([1] * (fp8.dim() - 2))).to(dtype)
     return torch.mul(fp8.to(dtype), scale, out=out)

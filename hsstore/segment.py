@@ -22,7 +22,7 @@ import zstandard
 
 from hsstore.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
-from hsstore.format import paths, zarr_meta
+from hsstore.format import paths, tiers, zarr_meta
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.store import Storage
@@ -202,6 +202,8 @@ class SegmentReader:
                 f"column does not decode: {exc}", path=self.where(relpath)
             ) from exc
         arr = np.frombuffer(raw, dtype=dtype)
+        if name == paths.SCALES:
+            arr = tiers.shape_scales(arr, self.manifest.tier, self.manifest.num_layers)
         if arr.shape[0] != self.info.num_rows:
             raise IntegrityError(
                 f"column has {arr.shape[0]} rows, expected {self.info.num_rows}",

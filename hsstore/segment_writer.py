@@ -25,7 +25,7 @@ import zstandard
 from hsstore import fp8
 from hsstore.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError
-from hsstore.format import paths, zarr_meta
+from hsstore.format import paths, tiers, zarr_meta
 from hsstore.format.manifest import FileInfo, Manifest, SegmentInfo, now_iso
 from hsstore.format.sample_index import COLUMN_ZSTD_LEVEL, INDEX_SCHEMA, sample_checksum
 from hsstore.format.store import Storage
@@ -189,7 +189,7 @@ class SegmentWriter:
         for column in (self._input_ids, self._loss_masks):
             column.append(np.zeros(pad, column[-1].dtype))
         if self.manifest.scaled:
-            self._scales.append(np.zeros(pad, self._scales[-1].dtype))
+            self._scales.append(np.zeros((pad, *self._scales[-1].shape[1:]), np.float32))
         if self._rows_in_buffer == self.flusher.shape[0]:
             self._flush_shard()
 
@@ -297,7 +297,12 @@ class SegmentWriter:
             data = np.concatenate(parts).astype(dtype, copy=False)
             body = zstandard.ZstdCompressor(level=COLUMN_ZSTD_LEVEL).compress(data.tobytes())
             small[f"{name}/zarr.json"] = zarr_meta.column_array_json(
-                num_rows=self.rows, dtype=dtype, zstd_level=COLUMN_ZSTD_LEVEL
+                num_rows=self.rows,
+                dtype=dtype,
+                zstd_level=COLUMN_ZSTD_LEVEL,
+                width=tiers.scales_width(man.tier, man.num_layers)
+                if name == paths.SCALES
+                else None,
             )
             small[paths.column_relpath(name)] = body + crc32c(body).to_bytes(4, "little")
         for relpath, data in small.items():

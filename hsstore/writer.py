@@ -21,7 +21,7 @@ from hsstore.errors import (
     HsstoreError,
     SegmentRemovedError,
 )
-from hsstore.format import commit, history, paths
+from hsstore.format import commit, history, paths, tiers
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Delta, Manifest, SegmentInfo
@@ -119,7 +119,8 @@ class Writer:
     ) -> None:
         """Append one sample: ``hidden`` [T, L, H] in the dataset's dtype. A dataset of a scaled
         dtype (``float8_e4m3fn``) also takes ``scales``: the float32 scale of each token row
-        ([T], or [T, 1, 1] as hs-connectors writes it); other datasets refuse them."""
+        ([T], or [T, 1, 1] as hs-connectors writes it); other datasets refuse them. A dataset of
+        a lossy tier takes states of any float dtype and stores them in its tier."""
         if self._closed:
             raise ConflictError("writer is closed", path=str(self.ds.path))
         where = str(self.ds.path)
@@ -146,6 +147,9 @@ class Writer:
             raise DuplicateSampleError(
                 "sample id is already in the dataset", path=str(self.ds.path), sample_id=sample_id
             )
+        hidden, scales = tiers.prepare(
+            self.manifest.tier, hidden, scales, where=source or where, sample_id=sample_id
+        )
         hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
         scale_column = self._validate_scales(sample_id, scales, hid.shape[0], source)
         if self._unresolved is not None:
@@ -245,9 +249,10 @@ class Writer:
                 sample_id=sample_id,
             )
         shape = tuple(scales.shape)
+        width = tiers.scales_width(self.manifest.tier, self.manifest.num_layers)
         if (
             scales.dtype != torch.float32
-            or scales.numel() != num_tokens
+            or scales.numel() != num_tokens * (width or 1)
             or (scales.dim() and shape[0] != num_tokens)
         ):
             raise BadInputError(
@@ -261,6 +266,7 @@ class Writer:
             raise BadInputError(
                 "scales must be finite and positive", path=where, sample_id=sample_id
             )
+        flat = flat if width is None else flat.reshape(num_tokens, width)
         return flat.numpy().astype("<f4", copy=False)
 
     @property

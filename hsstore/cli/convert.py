@@ -59,7 +59,8 @@ def _format_options(command: Callable) -> Callable:
     "--to",
     "dst_format",
     type=click.Choice((HSSTORE, *EXPORT_FORMATS)),
-    help="Target format (default: hsstore, or speculators-v1 when SRC is an hsstore dataset).",
+    help="Target format (default: hsstore, or speculators-v1 when SRC is an hsstore dataset "
+    "and no --tier is given).",
 )
 @_format_options
 @click.option(
@@ -73,6 +74,12 @@ def _format_options(command: Callable) -> Callable:
     "--codec",
     type=click.Choice(CODEC_NAMES),
     help=f"Codec of a new dataset (default: {DEFAULT_CODEC}, lossless).",
+)
+@click.option(
+    "--tier",
+    help="Lossy tier of the new dataset: lossless (default), fp8-token, fp8-token-layer or "
+    "bf16-m0..bf16-m6 (docs/CONVERT.md, Lossy tiers). With an hsstore dataset as SRC (and no "
+    "--to), re-encodes it into a new dataset at DST.",
 )
 @click.option(
     "--workers",
@@ -112,6 +119,7 @@ def command(
     num_hidden_layers: int | None,
     model_name: str | None,
     codec: str | None,
+    tier: str | None,
     workers: int | None,
     commit_every: int,
     commit_gb: float,
@@ -137,6 +145,7 @@ def command(
         num_hidden_layers=num_hidden_layers,
         model_name=model_name,
         codec=codec,
+        tier=tier,
         workers=workers,
         commit_every=commit_every,
         commit_bytes=max(1, int(commit_gb * 1e9)),

@@ -43,6 +43,9 @@ def _option_flags(command: Callable) -> Callable:
 def command(tp_size: int | None, mem_fraction: float | None, as_json: bool, **given: Any) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
     from hsstore.extract.runner import ExtractOptions, run_extract
+    from hsstore.format.tiers import checked
+
+    checked(given.get("tier"))  # an unknown name fails before any model is loaded
 
     backend_options = {}
     if given["backend"] == "sglang":

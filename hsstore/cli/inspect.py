@@ -61,6 +61,13 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
     default=None,
     help="Foreign directories: the model's decoder layer count, when not recorded.",
 )
+@click.option(
+    "--reference",
+    type=str,
+    default=None,
+    help="A dataset holding the same samples at full precision: report the lossy tier's "
+    "measured error per layer (and, with --lm-head, the head's top-1 agreement).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (docs/INSPECT.md).")
 @click.option(
     "--plot",
@@ -79,17 +86,20 @@ def command(
     lm_head_tokens: int,
     layer_ids: list[int] | None,
     num_hidden_layers: int | None,
+    reference: str | None,
     as_json: bool,
     plot: str | None,
 ) -> None:  # fmt: skip
     """Audit PATH (an hsstore dataset, or a directory `convert` reads) for silent data faults."""
     from hsstore.audit import AuditOptions, Verdict, open_audit_source, run_audit
+    from hsstore.audit.lossy import source_report
     from hsstore.audit.report import to_json, to_text
 
     src = open_audit_source(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
     opts = AuditOptions(sample_tokens=sample_tokens, full=full, seed=seed, lm_head=lm_head,
                         lm_head_tokens=lm_head_tokens)  # fmt: skip
     result = run_audit(src, opts)
+    lossy = source_report(src, reference, opts)
     if plot:
         import numpy as np
 
@@ -100,7 +110,11 @@ def command(
             lengths = np.array(result.read_lengths)
         save_plot(result, lengths, plot)
     if as_json:
-        emit_json(to_json(result))
+        emit_json(to_json(result) | ({} if lossy is None else {"lossy": lossy}))
     else:
         click.echo(to_text(result))
+        from hsstore.audit.lossy import to_text as lossy_text
+
+        if lossy is not None and lossy_text(lossy):
+            click.echo("\n".join(lossy_text(lossy)))
     sys.exit(EXIT_CHECK_FAILED if result.verdict is Verdict.FAIL else EXIT_OK)

@@ -82,6 +82,14 @@ class ExtractOptions:
         default=DEFAULT_CODEC,
         metadata=_cli("--codec", "Codec of a new dataset.", choices=CODEC_NAMES),
     )
+    tier: str | None = field(
+        default=None,
+        metadata=_cli(
+            "--tier",
+            "Lossy tier to store the states in: lossless (default), fp8-token, fp8-token-layer "
+            "or bf16-m0..bf16-m6 (docs/CONVERT.md, Lossy tiers).",
+        ),
+    )
     commit_every: int = field(
         default=512, metadata=_cli("--commit-every", "Samples per commit.", kind=int)
     )

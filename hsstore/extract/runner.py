@@ -246,14 +246,19 @@ def _ensure_dataset(
                     "max_length": opts.max_length,
                 },
                 exist_ok=True,  # another node's --shard may have created it meanwhile
+                tier=opts.tier,
             )
         except ConflictError as exc:
             raise BadInputError(f"{exc.message}; use another --out", path=opts.out) from None
         return
+    from hsstore.format import tiers
+
+    tier = tiers.checked(opts.tier)
+    tiers.check_same(ds.manifest.tier, tier, path=opts.out)  # first: it decides the dtype
     ds.manifest.check_compatible(
         layers,
         hidden_size=h,
-        dtype=dtype,
+        dtype=dtype if tier is None else tier.dtype,
         num_hidden_layers=int(config.num_hidden_layers),
         path=opts.out,
     )

@@ -40,6 +40,7 @@ from hsstore.format.layers import LayerSpec
 from hsstore.format.layout import MAX_CHUNK_BYTES, Layout
 from hsstore.format.schema import validate
 from hsstore.format.sealing import checksum_matches, seal_document
+from hsstore.format.tiers import Tier, check_matches
 
 FORMAT_NAME = "hsstore"
 FORMAT_VERSION = 3
@@ -177,6 +178,7 @@ class Manifest:
     provenance: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, str] = field(default_factory=lambda: dict(COLUMN_DTYPES))
     format_version: int = FORMAT_VERSION
+    tier: Tier | None = None  # a lossy tier (hsstore.format.tiers); None: lossless
     # The checksum of this version's own file (``manifests/v{version}.json``): the link the
     # next delta's ``prev`` names (None where it is not known, e.g. folded from a checkpoint).
     head_checksum: str | None = field(default=None, compare=False)
@@ -381,6 +383,8 @@ class Manifest:
         }
         if self.format_version < 2:
             del obj["kind"]
+        if self.tier is not None:
+            obj["tier"] = self.tier.to_json()
         return obj
 
     def to_bytes(self) -> bytes:
@@ -414,10 +418,12 @@ class Manifest:
                 segments=tuple(SegmentInfo.from_json(s, where=where) for s in obj["segments"]),
                 provenance=obj["provenance"],
                 columns=obj["columns"],
+                tier=Tier.from_json(obj["tier"], where=where) if "tier" in obj else None,
             )
         except ValueError as exc:  # a LayerSpec or codec the dataclasses refuse
             raise FormatError(str(exc), path=where) from exc
         _check_unique_segments((), man.segments, where=where)
+        check_matches(man.tier, man.dtype, where=where)
         if obj["storage_dtype"] != STORAGE_DTYPE_NAMES[man.dtype]:
             raise FormatError(
                 f"storage_dtype {obj['storage_dtype']} does not match dtype {man.dtype}", path=where

@@ -67,14 +67,19 @@ def states_array_json(
     return json.dumps(doc, indent=1).encode()
 
 
-def column_array_json(*, num_rows: int, dtype: np.dtype, zstd_level: int) -> bytes:
-    """A per-token column stored as a single zstd-compressed chunk."""
+def column_array_json(
+    *, num_rows: int, dtype: np.dtype, zstd_level: int, width: int | None = None
+) -> bytes:
+    """A per-token column stored as a single zstd-compressed chunk; with ``width`` values per
+    row (the per-layer scales of the fp8-token-layer tier) it holds ``num_rows * width``
+    values, row after row: flat, so its one chunk keeps the key ``c/0`` of every column."""
+    shape = [num_rows if width is None else num_rows * width]
     doc = {
         "zarr_format": 3,
         "node_type": "array",
-        "shape": [num_rows],
+        "shape": shape,
         "data_type": _zarr_dtype(dtype),
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [num_rows]}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": 0,
         "codecs": [
@@ -85,7 +90,7 @@ def column_array_json(*, num_rows: int, dtype: np.dtype, zstd_level: int) -> byt
             {"name": "crc32c"},
         ],
         "attributes": {},
-        "dimension_names": ["token"],
+        "dimension_names": ["token" if width is None else "token_layer"],
     }
     return json.dumps(doc, indent=1).encode()
 

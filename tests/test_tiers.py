@@ -1,0 +1,429 @@
+"""Lossy tiers: their bounds hold, fp8-token is hs-connectors' quantizer bit for bit, the tier
+is recorded and respected by readers, the loader, inspect and every export, and lossless stays
+the default and bit-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import hsstore
+from hsstore.cli import main
+from hsstore.errors import BadInputError, FormatError, IncompatibleDatasetError
+from hsstore.format import tiers
+from hsstore.format.layers import LayerSpec
+from hsstore.format.manifest import Manifest
+from hsstore.loader import Loader
+from tests.peer_packages import peer
+from tests.test_interop_speculators import bits
+from tools.synthetic import llm_like_states
+
+H = 32
+LAYERS = [LayerSpec(1), LayerSpec(2), LayerSpec(3), LayerSpec(4)]
+LOSSY = ("fp8-token", "fp8-token-layer", "bf16-m0", "bf16-m2", "bf16-m3", "bf16-m6")
+
+
+def data(n: int = 5):
+    out = []
+    for k in range(n):
+        t = 3 + 7 * k
+        g = torch.Generator().manual_seed(k)
+        ids = torch.randint(0, 1000, (t,), generator=g)
+        mask = (torch.rand(t, generator=g) < 0.7).long()
+        out.append((ids, mask, llm_like_states(t, len(LAYERS), H, seed=k)))
+    return out
+
+
+def write(path: Path, samples, tier: str | None = None) -> hsstore.Dataset:
+    ds = hsstore.create(
+        path, layers=LAYERS, hidden_size=H, dtype="bf16", model={"num_hidden_layers": 4}, tier=tier
+    )
+    with ds.writer() as w:
+        for k, (ids, mask, hidden) in enumerate(samples):
+            w.add(f"s{k}", ids, mask, hidden)
+    return hsstore.open(path)
+
+
+def assert_within_bound(tier: tiers.Tier, given: torch.Tensor, stored, scales) -> None:
+    got = tiers.dequantize(stored, scales).float()  # what a trainer reads (bf16)
+    err = (got - given.float()).abs()
+    bound = tier.bound(given, scales)
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def wide_values(seed: int) -> torch.Tensor:
+    """Gaussian values over 2^-40 .. 2^40 per token, so every tier meets its subnormal range."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 3, 48, generator=g, dtype=torch.float64)
+    x *= torch.exp2(torch.randint(-40, 40, (64, 3, 48), generator=g).double())
+    return x.float()
+
+
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bound_holds_on_random_values(name, dtype):
+    tier = tiers.parse(name)
+    for seed in range(3):
+        given = wide_values(seed).to(dtype)
+        if dtype == torch.float16:
+            given = given.clamp(-6e4, 6e4)
+        stored, scales = tiers.quantize(tier, given)
+        assert (
+            stored.dtype
+            == {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}[tier.dtype]
+        )
+        assert_within_bound(tier, given, stored, scales)
+        # the bound is not slack: some value comes close to it
+        got = tiers.dequantize(stored, scales).float()
+        use = ((got - given.float()).abs() / tier.bound(given, scales)).max()
+        assert float(use) > 0.5
+
+
+def test_bound_holds_on_real_minilm_states():
+    from tools.real_states import minilm_states
+
+    real = minilm_states(2, max_tokens=48)
+    for name in LOSSY:
+        tier = tiers.parse(name)
+        for _ids, states in real:
+            stored, scales = tiers.quantize(tier, states)
+            assert_within_bound(tier, states, stored, scales)
+
+
+def test_bf16_tiers_drop_exactly_the_low_mantissa_bits():
+    x = llm_like_states(50, 2, 64, seed=3)
+    for k in range(7):
+        y, scales = tiers.quantize(tiers.parse(f"bf16-m{k}"), x)
+        assert scales is None and y.dtype == torch.bfloat16
+        low = y.view(torch.int16).int() & ((1 << (7 - k)) - 1)
+        assert int(low.abs().sum()) == 0
+        again, _ = tiers.quantize(tiers.parse(f"bf16-m{k}"), y)
+        assert bits(again) == bits(y)  # idempotent: re-encoding loses nothing more
+    # round to nearest even at the halfway point: 1 + 2^-3 keeps 2 bits -> 1 (even), and
+    # 1 + 3 * 2^-3 -> 1 + 2^-1 (even); non-finite values pass through
+    x = torch.tensor([1.125, 1.375, float("inf"), float("nan"), -1.125])
+    y, _ = tiers.quantize(tiers.parse("bf16-m2"), x.view(1, 1, -1))
+    assert y.flatten()[:2].tolist() == [1.0, 1.5] and y.flatten()[4] == -1.0
+    assert torch.isinf(y.flatten()[2]) and torch.isnan(y.flatten()[3])
+
+
+def test_fp8_token_is_hs_connectors_quantizer_bit_for_bit(tmp_path):
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    samples = data()
+    ds = write(tmp_path / "ds", samples, "fp8-token")
+    assert ds.dtype == torch.float8_e4m3fn and ds.manifest.tier.name == "fp8-token"
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        q, scale = fp8_utils.quantize_tensor_to_fp8(hidden)
+        s = ds[k]
+        assert bits(s.hidden) == bits(q) and bits(s.scales) == bits(scale.reshape(-1))
+        want = fp8_utils.dequantize_fp8_tensor(q, scale)
+        assert bits(s.dequantized()) == bits(want)
+
+
+def test_fp8_token_layer_scales_each_layer(tmp_path):
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    samples = data()
+    ds = write(tmp_path / "ds", samples, "fp8-token-layer")
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        s = ds[k]
+        t = hidden.shape[0]
+        q, scale = fp8_utils.quantize_tensor_to_fp8(hidden.reshape(t * len(LAYERS), H))
+        assert s.scales.shape == (t, len(LAYERS))
+        assert bits(s.hidden) == bits(q.reshape(hidden.shape))
+        assert bits(s.scales) == bits(scale.reshape(t, len(LAYERS)))
+        part = ds.read(k, layers=[3, 1])  # scales follow the layers read
+        assert bits(part.dequantized()) == bits(s.dequantized()[:, [3, 1]])
+
+
+def test_lossless_stays_the_default_and_bit_identical(tmp_path):
+    samples = data()
+    ds = write(tmp_path / "ds", samples)
+    assert ds.manifest.tier is None and "tier" not in ds.manifest.to_json()
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        assert bits(ds[k].hidden) == bits(hidden)
+    r = CliRunner().invoke(main, ["convert", str(ds.path), str(tmp_path / "copy"), "--to", "hsstore",
+                                  "--no-progress"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    copy = hsstore.open(tmp_path / "copy")
+    assert copy.manifest.tier is None and copy.sample_ids == ds.sample_ids
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        assert bits(copy[k].hidden) == bits(hidden)
+
+
+@pytest.mark.parametrize("name", ["fp8-token", "fp8-token-layer", "bf16-m3"])
+def test_zarr_python_reads_the_arrays_and_decodes_by_hand(tmp_path, name):
+    samples = data()
+    ds = write(tmp_path / "ds", samples, name)
+    for seg_no, info in enumerate(ds.manifest.segments):
+        group = zarr.open_group(str(tmp_path / "ds" / "segments" / info.id), mode="r")
+        states = torch.from_numpy(np.asarray(group["states"][:]))
+        scales = None
+        if "scales" in group:  # [rows] or, per token and layer, [rows * L] row after row
+            scales = torch.from_numpy(np.asarray(group["scales"][:])).reshape(states.shape[0], -1)
+        index = ds.index.filter(ds.index.column("segment").to_numpy() == seg_no)
+        for row, n, sid in zip(index.column("row_offset").to_pylist(),
+                               index.column("num_tokens").to_pylist(),
+                               index.column("sample_id").to_pylist(), strict=True):  # fmt: skip
+            raw = states[row : row + n]
+            if scales is None:  # bf16 bits as uint16
+                by_hand = raw.view(torch.bfloat16)
+            else:  # fp8 bits as uint8, times the [T] or [T, L] scale, in bf16
+                s = scales[row : row + n].to(torch.bfloat16)
+                s = s.reshape(n, -1, 1)
+                by_hand = raw.view(torch.float8_e4m3fn).to(torch.bfloat16) * s
+            assert bits(by_hand) == bits(ds.get(sid).dequantized())
+
+
+@pytest.mark.parametrize("max_tokens", [64, 16])  # 16: longer samples take the truncated path
+def test_loader_batches_are_the_values_dequantized_by_hand(tmp_path, max_tokens):
+    samples = data(6)
+    ds = write(tmp_path / "ds", samples, "fp8-token-layer")
+    seen = set()
+    loader = Loader(ds.path, max_tokens=max_tokens, aux_layers=[0, 2], seed=2, num_threads=1)
+    for batch in loader:
+        assert batch["hidden_states"].dtype == torch.bfloat16
+        assert set(batch) >= {"hidden_states", "verifier_last_hidden_states", "input_ids"}
+        for d, i in enumerate(batch["sample_index"].tolist()):
+            s = ds[i]
+            by_hand = s.hidden.to(torch.bfloat16) * s.scales.to(torch.bfloat16)[:, :, None]
+            cols = (batch["document_ids"][0] == d).nonzero().flatten()
+            n = min(max_tokens, s.num_tokens)
+            assert len(cols) == n
+            assert bits(batch["hidden_states"][0, cols]) == bits(by_hand[:n, [0, 2]].flatten(1))
+            assert bits(batch["verifier_last_hidden_states"][0, cols]) == bits(by_hand[:n, 3])
+            seen.add(i)
+    assert seen == set(range(len(samples)))
+
+
+def test_adapter_delivers_dequantized_values(tmp_path):
+    from hsstore.integrations.speculators import HsstoreArrowDataset
+
+    ds = write(tmp_path / "ds", data(), "fp8-token-layer")
+    ours = HsstoreArrowDataset(64, ds.path)
+    for k in range(len(ours)):
+        values = ds[k].dequantized()
+        item = ours[k]
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert bits(item["verifier_last_hidden_states"]) == bits(values[:, -1])
+
+
+def test_bad_tier_names_and_options_are_one_line(tmp_path):
+    write(tmp_path / "ds", data(2))
+    runner = CliRunner()
+    cases = [
+        (["convert", str(tmp_path / "ds"), str(tmp_path / "x"), "--tier", "fp9"], "unknown tier"),
+        (
+            [
+                "convert",
+                str(tmp_path / "ds"),
+                str(tmp_path / "x"),
+                "--tier",
+                "bf16-m2",
+                "--to",
+                "speculators-v1",
+            ],
+            "--tier: only for converting into hsstore",
+        ),  # fmt: skip
+        (
+            [
+                "extract",
+                "--model",
+                str(tmp_path),
+                "--data",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "y"),
+                "--tier",
+                "bf16-m9",
+            ],
+            "unknown tier 'bf16-m9'",
+        ),  # fmt: skip
+        (["inspect", str(tmp_path / "ds"), "--reference", str(tmp_path / "nope")], "nope"),
+    ]
+    for args, message in cases:
+        r = runner.invoke(main, args)
+        assert r.exit_code == 2, (args, r.output)
+        lines = [x for x in r.output.splitlines() if x.strip()]
+        assert len(lines) == 1 and message in lines[0], (args, r.output)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    with pytest.raises(BadInputError, match="unknown tier"):
+        hsstore.create(tmp_path / "z", layers=LAYERS, hidden_size=H, dtype="bf16", tier="fp4")
+
+
+def test_a_tier_is_kept_across_resumes_and_refused_when_another(tmp_path):
+    write(tmp_path / "ds", data(2), "bf16-m3")
+    again = hsstore.create(tmp_path / "ds", layers=LAYERS, hidden_size=H, dtype="bf16",
+                           model={"num_hidden_layers": 4}, tier="bf16-m3", exist_ok=True)  # fmt: skip
+    assert again.manifest.tier.name == "bf16-m3"
+    with pytest.raises(IncompatibleDatasetError, match="tier bf16-m3 .asked for bf16-m2"):
+        hsstore.create(tmp_path / "ds", layers=LAYERS, hidden_size=H, dtype="bf16",
+                       model={"num_hidden_layers": 4}, tier="bf16-m2", exist_ok=True)  # fmt: skip
+
+
+def test_manifest_tier_must_be_what_its_name_records(tmp_path):
+    man = write(tmp_path / "ds", data(1), "fp8-token").manifest
+    obj = man.to_json()
+    assert obj["tier"] == tiers.parse("fp8-token").to_json()
+    obj["tier"] = dict(obj["tier"], max_relative_error=0.001)  # a tighter bound than the truth
+    with pytest.raises(FormatError, match="is not what tier 'fp8-token' records"):
+        Manifest.from_json(obj, where="test")
+    obj["tier"] = tiers.parse("bf16-m3").to_json()  # a bf16 tier on fp8 states
+    with pytest.raises(FormatError, match="stores bfloat16"):
+        Manifest.from_json(obj, where="test")
+
+
+def test_inspect_shows_the_tier_and_measures_against_a_reference(tmp_path):
+    samples = data()
+    write(tmp_path / "ref", samples)
+    write(tmp_path / "fp8", samples, "fp8-token")
+    r = CliRunner().invoke(
+        main, ["inspect", str(tmp_path / "fp8"), "--reference", str(tmp_path / "ref"), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    lossy = doc["lossy"]
+    assert lossy["tier"]["name"] == "fp8-token" and lossy["reference"]["tier"] == "lossless"
+    assert len(lossy["layers"]) == len(LAYERS)
+    for layer in lossy["layers"]:
+        m = layer["measured"]
+        assert m["bound_holds"] and 0 < m["max_bound_use"] <= 1
+        assert 0 < m["rms_relative_error"] < layer["bound"]["max_relative_error"]
+    import jsonschema
+
+    from hsstore.schemas import INSPECT, load
+
+    jsonschema.validate(doc, load(INSPECT))
+    text = CliRunner().invoke(main, ["inspect", str(tmp_path / "fp8")]).output
+    assert "lossy tier: fp8-token" in text and "pass --reference" in text
+
+    # a dataset that is not what its tier claims: the bound shows broken
+    write(tmp_path / "other", [(ids, mask, hidden * 1.25) for ids, mask, hidden in samples])
+    r = CliRunner().invoke(
+        main, ["inspect", str(tmp_path / "fp8"), "--reference", str(tmp_path / "other"), "--json"]
+    )
+    assert not any(x["measured"]["bound_holds"] for x in json.loads(r.output)["lossy"]["layers"])
+
+
+def test_exports_respect_the_tier(tmp_path):
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    samples = data()
+    write(tmp_path / "fp8", samples, "fp8-token")
+    write(tmp_path / "layer", samples, "fp8-token-layer")
+    runner = CliRunner()
+    for src, name, extra in (("fp8", "arrow-fp8", ["--fp8"]), ("fp8", "arrow", []),
+                             ("layer", "arrow-layer", []), ("layer", "v1-layer", ["--to",
+                             "speculators-v1"])):  # fmt: skip
+        to = [] if "--to" in extra else ["--to", "speculators-arrow"]
+        r = runner.invoke(main, ["convert", str(tmp_path / src), str(tmp_path / name), *to,
+                                 "--no-progress", *extra])  # fmt: skip
+        assert r.exit_code == 0, r.output
+    layer = hsstore.open(tmp_path / "layer")
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        q, scale = fp8_utils.quantize_tensor_to_fp8(hidden)
+        theirs = load_file(tmp_path / "arrow-fp8" / "hidden_states" / f"hs_{k}.safetensors")
+        assert bits(theirs["hidden_states"]) == bits(q)  # what hs-connectors would write
+        assert bits(theirs[fp8_utils.SCALES_KEY]) == bits(scale)
+        plain = load_file(tmp_path / "arrow" / "hidden_states" / f"hs_{k}.safetensors")
+        assert bits(plain["hidden_states"]) == bits(fp8_utils.dequantize_fp8_tensor(q, scale))
+        per_layer = load_file(tmp_path / "arrow-layer" / "hidden_states" / f"hs_{k}.safetensors")
+        assert bits(per_layer["hidden_states"]) == bits(layer[k].dequantized())
+        v1 = torch.load(tmp_path / "v1-layer" / f"data_{k}.pt", weights_only=True)
+        assert bits(torch.stack(v1["hidden_states"], dim=1)) == bits(layer[k].dequantized())
+
+
+def test_reencode_between_tiers(tmp_path):
+    samples = data()
+    write(tmp_path / "fp8", samples, "fp8-token")
+    runner = CliRunner()
+
+    def convert(src: str, dst: str, *extra: str) -> None:
+        r = runner.invoke(main, ["convert", str(tmp_path / src), str(tmp_path / dst),
+                                 "--no-progress", *extra])  # fmt: skip
+        assert r.exit_code == 0, r.output
+
+    convert("fp8", "layer", "--tier", "fp8-token-layer")  # per-token scales fit: bits kept
+    convert("fp8", "same", "--tier", "lossless")  # loses nothing more: the source's tier
+    convert("layer", "m3", "--tier", "bf16-m3")
+    src = hsstore.open(tmp_path / "fp8")
+    layer, same, m3 = (hsstore.open(tmp_path / n) for n in ("layer", "same", "m3"))
+    assert same.manifest.tier.name == "fp8-token" and m3.manifest.tier.name == "bf16-m3"
+    assert m3.manifest.provenance["reencoded_from"]["tier"] == "fp8-token-layer"
+    for k in range(len(samples)):
+        assert bits(layer[k].hidden) == bits(src[k].hidden)
+        assert bits(layer[k].dequantized()) == bits(src[k].dequantized())
+        assert bits(same[k].hidden) == bits(src[k].hidden)
+        want, _ = tiers.quantize(tiers.parse("bf16-m3"), layer[k].dequantized(torch.float32))
+        assert bits(m3[k].hidden) == bits(want)
+    r = runner.invoke(main, ["convert", str(tmp_path / "fp8"), str(tmp_path / "m3"),
+                             "--tier", "bf16-m2", "--no-progress"])  # fmt: skip
+    assert r.exit_code == 2 and "tier bf16-m3 (asked for bf16-m2)" in r.output
+
+
+def test_fp8_tiers_refuse_non_finite_states(tmp_path):
+    ds = hsstore.create(tmp_path / "ds", layers=LAYERS, hidden_size=H, dtype="bf16",
+                        tier="fp8-token")  # fmt: skip
+    hidden = llm_like_states(4, len(LAYERS), H)
+    hidden[2, 1, 5] = float("nan")
+    with ds.writer() as w, pytest.raises(BadInputError, match="NaN or Inf, which tier fp8-token"):
+        w.add("bad", torch.arange(4), torch.ones(4, dtype=torch.long), hidden)
+    assert hsstore.open(tmp_path / "ds").sample_ids == []
+
+
+def test_inspect_lm_head_agreement_of_the_stored_final_state(tmp_path):
+    from hsstore.demo_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden=H, layers=4, vocab=512)
+    samples = data()
+    write(tmp_path / "ref", samples)
+    write(tmp_path / "m0", samples, "bf16-m0")
+
+    def agreement(path: str) -> dict:
+        r = CliRunner().invoke(main, ["inspect", str(tmp_path / path), "--reference",
+                                      str(tmp_path / "ref"), "--lm-head", str(model_dir),
+                                      "--json"])  # fmt: skip
+        assert r.exit_code in (0, 1), r.output  # checks may WARN/FAIL on random states
+        return json.loads(r.output)["lossy"]["lm_head"]
+
+    same, lossy = agreement("ref"), agreement("m0")
+    tokens = sum(len(ids) for ids, _, _ in samples)
+    assert same == {"layer": 3, "tokens": tokens, "top1_agreement": 1.0}
+    assert lossy["layer"] == 3 and lossy["tokens"] == tokens
+    assert 0.3 < lossy["top1_agreement"] < 1.0  # one mantissa bit kept: some tokens flip
+
+
+def test_extract_writes_its_tier(tmp_path):
+    from hsstore.demo_model import build_tiny_model
+
+    fp8_utils = peer("hs_connectors.fp8_utils")
+    model = build_tiny_model(tmp_path / "model")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"the quick fox {i}"},
+                                 {"role": "assistant", "content": "jumps over " * (i + 1)}]}) + "\n"
+        for i in range(3)
+    ))  # fmt: skip
+
+    def extract(out: str, *tier: str) -> CliRunner:
+        args = ["extract", "--model", str(model), "--data", str(prompts), "--out",
+                str(tmp_path / out), "--device", "cpu", "--dtype", "bfloat16", "--no-progress",
+                *tier]  # fmt: skip
+        return CliRunner().invoke(main, args)
+
+    for out, tier in (("plain", ()), ("fp8", ("--tier", "fp8-token"))):
+        r = extract(out, *tier)
+        assert r.exit_code == 0, r.output
+    plain, fp8 = hsstore.open(tmp_path / "plain"), hsstore.open(tmp_path / "fp8")
+    assert fp8.manifest.tier.name == "fp8-token" and plain.manifest.tier is None
+    assert fp8.sample_ids == plain.sample_ids and len(plain) == 3
+    for k in range(len(plain)):
+        q, scale = fp8_utils.quantize_tensor_to_fp8(plain[k].hidden)
+        assert bits(fp8[k].hidden) == bits(q) and bits(fp8[k].scales) == bits(scale.reshape(-1))
+    r = extract("fp8", "--tier", "bf16-m3")  # a rerun into it must keep its tier
+    assert r.exit_code == 2 and "tier fp8-token (asked for bf16-m3)" in r.output, r.output
