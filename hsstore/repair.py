@@ -56,13 +56,15 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     """Make the latest version fully readable again (see the module docstring); returns what
     was decided. Raises when the history itself cannot be read (nothing is changed then)."""
     storage = open_storage(path)
+    # The hint before the listing: a hint is written after its version, so a writer that
+    # publishes meanwhile can never make its version look announced but lost.
+    hint = history.read_hint(storage)
     versions = commit.list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
     latest = history.fold(storage, versions[-1], commit.list_checkpoints(storage))
     report = RepairReport(path=storage.root)
     restored = _lost_segments(storage, latest, report)
-    hint = history.read_hint(storage)
     lost_hint = hint.version is not None and hint.version > latest.version
     replaced = (
         hint.version == latest.version
