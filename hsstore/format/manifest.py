@@ -42,7 +42,7 @@ from hsstore.format.schema import validate
 from hsstore.format.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
 # without a checksum (see FORMAT.md).
 
