@@ -182,8 +182,13 @@ def _catch_up(
         except FileNotFoundError:
             # The hint is written only after its version, and versions are contiguous: a hint
             # above us with our successor absent means published versions were deleted.
-            check_not_rolled_back(storage, latest.version)
+            try:
+                check_not_rolled_back(storage, latest.version)
+            except IntegrityError:
+                _refuse_if_pruned(storage, latest.version)
+                raise
             if not storage.exists(paths.manifest_key(latest.version)):
+                _refuse_if_pruned(storage, latest.version)
                 raise IntegrityError(
                     f"version {latest.version}, which this commit extends, was deleted: the "
                     f"newest versions were deleted or rolled back (restore them)",
@@ -202,6 +207,19 @@ def _catch_up(
         latest = latest.apply(doc, where=storage.path_of(key))
         if ours:
             return latest, True
+
+
+def _refuse_if_pruned(storage: Storage, base: int) -> None:
+    """Raise when ``base`` and its successor are gone because `gc --keep-versions` pruned them
+    (newer versions are there): what was published since cannot be checked any more."""
+    versions = list_versions(storage)
+    if versions and versions[0] > base + 1:
+        raise IntegrityError(
+            f"versions up to {versions[0] - 1} were pruned (gc --keep-versions) after this "
+            f"commit read version {base}, so it cannot check what was published since; nothing "
+            f"was published: add its samples again with a new writer",
+            path=storage.root,
+        )
 
 
 @dataclass
