@@ -18,6 +18,7 @@ from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.store import LocalStorage, Storage
+from tests.faults import Fault, FaultyStorage, at
 from tools.synthetic import random_sample
 
 TTL = 0.4
@@ -68,11 +69,21 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
     w._finish_segment()
     seg_id = w._finished[0].id
 
-    def pause(stage: str) -> None:
-        if stage == "listed":
-            w.commit()
-
-    report = commit.gc(open_storage(location), grace_s=0, pause=pause)
+    # gc stops at its first listing of segments/, after it read the manifest; the writer
+    # publishes and drops its lease meanwhile.
+    reached, release = threading.Event(), threading.Event()
+    stop = Fault("pause", release=release, reached=reached)
+    faulty = FaultyStorage(open_storage(location), at("list", paths.SEGMENTS, stop))
+    result: dict = {}
+    gc = threading.Thread(target=lambda: result.update(r=commit.gc(faulty, grace_s=0)))
+    gc.start()
+    try:
+        assert reached.wait(30)
+        w.commit()
+    finally:
+        release.set()
+        gc.join(60)
+    report = result["r"]
     w.close()
     assert seg_id not in report.removed_segments
     storage = open_storage(location)

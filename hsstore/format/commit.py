@@ -235,7 +235,6 @@ def gc(
     *,
     keep_versions: int | None = None,
     grace_s: float = 60.0,
-    pause: Callable[[str], None] | None = None,
 ) -> GcReport:
     """Remove what no committed version references and no live writer may still publish.
 
@@ -247,8 +246,7 @@ def gc(
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only
-    ever added). pause: a test hook, called with "listed" after the first manifest read and
-    "checked" after the liveness checks, to run a writer step exactly there.
+    ever added).
     """
     report = GcReport()
     versions = list_versions(storage)
@@ -259,8 +257,6 @@ def gc(
     latest = load_manifest(storage, versions[-1])
     check_no_lost_commits(storage, latest)  # nor is a segment a lost version committed
     referenced = {s.id for s in latest.segments}
-    if pause is not None:
-        pause("listed")
     dead = []
     for name in storage.list(paths.SEGMENTS):
         if not paths.is_segment_id(name) or name in referenced:
@@ -269,8 +265,6 @@ def gc(
             report.live_segments.append(name)
         else:
             dead.append(name)
-    if pause is not None:
-        pause("checked")
     for name in _condemn(storage, dead, base=latest):
         storage.delete_tree(paths.segment_dir(name))
         report.removed_segments.append(name)
