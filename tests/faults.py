@@ -250,3 +250,38 @@ def faketime_env(seconds: float, env: dict[str, str] | None = None) -> dict[str,
     out["LD_PRELOAD"] = lib + (":" + out["LD_PRELOAD"] if out.get("LD_PRELOAD") else "")
     out["FAKETIME"] = f"{seconds:+g}s"
     return out
+
+
+def stopped_at(
+    inner: Storage,
+    verb: str,
+    key_part: str,
+    run: Callable[[Storage], Any],
+    meanwhile: Callable[[], None],
+) -> Any:
+    """``run(storage)`` (``inner`` wrapped) on a thread, stopped at its first ``verb`` call on a
+    key containing ``key_part`` while ``meanwhile()`` runs here; returns what ``run`` returned
+    (or raises what it raised)."""
+    reached, release = threading.Event(), threading.Event()
+    faulty = FaultyStorage(
+        inner, at(verb, key_part, Fault("pause", release=release, reached=reached))
+    )
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = run(faulty)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        assert reached.wait(30), f"never reached {verb} {key_part}"
+        meanwhile()
+    finally:
+        release.set()
+        thread.join(60)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

@@ -18,7 +18,7 @@ from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.store import LocalStorage, Storage
-from tests.faults import Fault, FaultyStorage, at
+from tests.faults import stopped_at
 from tools.synthetic import random_sample
 
 TTL = 0.4
@@ -71,19 +71,9 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
 
     # gc stops at its first listing of segments/, after it read the manifest; the writer
     # publishes and drops its lease meanwhile.
-    reached, release = threading.Event(), threading.Event()
-    stop = Fault("pause", release=release, reached=reached)
-    faulty = FaultyStorage(open_storage(location), at("list", paths.SEGMENTS, stop))
-    result: dict = {}
-    gc = threading.Thread(target=lambda: result.update(r=commit.gc(faulty, grace_s=0)))
-    gc.start()
-    try:
-        assert reached.wait(30)
-        w.commit()
-    finally:
-        release.set()
-        gc.join(60)
-    report = result["r"]
+    report = stopped_at(
+        open_storage(location), "list", paths.SEGMENTS, lambda s: commit.gc(s, grace_s=0), w.commit
+    )
     w.close()
     assert seg_id not in report.removed_segments
     storage = open_storage(location)

@@ -5,8 +5,6 @@ the real local backend."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from hsstore import LayerSpec
 from hsstore.errors import DuplicateSampleError
 from hsstore.format import paths
 from hsstore.format.locations import open_storage
-from tests.faults import Fault, FaultyStorage, at
+from tests.faults import stopped_at
 from tools.synthetic import random_sample
 
 H = 16
@@ -66,24 +64,16 @@ def test_a_writer_committing_while_a_repair_publishes_keeps_its_commit(tmp_path)
     storage = open_storage(location)
     damaged = ds.manifest.segments[0]
     storage.delete_tree(paths.segment_dir(damaged.id))
+
     # The repair stops just before creating its version; a writer (re-filling one of the
     # samples the repair drops) and another (new samples) publish meanwhile.
-    reached, release = threading.Event(), threading.Event()
-    faulty = FaultyStorage(
-        open_storage(location),
-        at("put_if_absent", "manifests/v", Fault("pause", release=release, reached=reached)),
-    )
-    result: dict = {}
-    repairing = threading.Thread(target=lambda: result.update(r=hsstore.repair(faulty)))
-    repairing.start()
-    try:
-        assert reached.wait(30)
+    def meanwhile() -> None:
         _commit(location, ["c0-s0"])
         _commit(location, ["w1", "w2"])
-    finally:
-        release.set()
-        repairing.join(60)
-    report = result["r"]
+
+    report = stopped_at(
+        open_storage(location), "put_if_absent", "manifests/v", hsstore.repair, meanwhile
+    )
     dropped = [(r["segment"], r["num_samples"]) for r in report.repairs]
     assert report.version is not None and dropped == [(damaged.id, 2)]
     after = hsstore.open(location)
@@ -100,21 +90,13 @@ def test_a_commit_mark_written_after_the_repair_listed_versions_is_not_a_lost_ve
     _build(location, 2)
     # The repair lists the versions, then a writer publishes and marks its segment: the mark
     # names a version newer than the one the repair folded, which exists; nothing is lost.
-    listed, release = threading.Event(), threading.Event()
-    faulty = FaultyStorage(
+    report = stopped_at(
         open_storage(location),
-        at("list", paths.SEGMENTS, Fault("pause", release=release, reached=listed)),
+        "list",
+        paths.SEGMENTS,
+        hsstore.repair,
+        lambda: _commit(location, ["w1"]),
     )
-    result: dict = {}
-    repairing = threading.Thread(target=lambda: result.update(r=hsstore.repair(faulty)))
-    repairing.start()
-    try:
-        assert listed.wait(30)
-        _commit(location, ["w1"])
-    finally:
-        release.set()
-        repairing.join(60)
-    report = result["r"]
     assert report.repairs == [] and report.version is None
     assert "w1" in hsstore.open(location).sample_ids
     assert hsstore.gc(location).removed_segments == []
