@@ -27,6 +27,7 @@ from typing import Any
 
 from hsstore.errors import ConflictError, HsstoreError, NotADatasetError
 from hsstore.format import commit, history, paths
+from hsstore.format.damage import PERSISTENT_EIO
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import LeaseKeeper
 from hsstore.format.locations import open_storage
@@ -56,13 +57,15 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     """Make the latest version fully readable again (see the module docstring); returns what
     was decided. Raises when the history itself cannot be read (nothing is changed then)."""
     storage = open_storage(path)
+    # The hint before the listing: a hint is written after its version, so a writer that
+    # publishes meanwhile can never make its version look announced but lost.
+    hint = history.read_hint(storage)
     versions = commit.list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
     latest = history.fold(storage, versions[-1], commit.list_checkpoints(storage))
     report = RepairReport(path=storage.root)
     restored = _lost_segments(storage, latest, report)
-    hint = history.read_hint(storage)
     lost_hint = hint.version is not None and hint.version > latest.version
     replaced = (
         hint.version == latest.version
@@ -85,6 +88,7 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     found = VerifyReport(path=storage.root, version=latest.version)
     check_segments(storage, candidate, found, workers=workers)
     damaged = _damaged_segments(found)
+    _keep_glitches(storage, candidate, damaged, workers)
     if hint.problem is not None or lost_hint or replaced:
         # Explicitly decided above: from now on the listing is the truth the hint announces.
         storage.delete(paths.LATEST_HINT)
@@ -133,6 +137,30 @@ def _damaged_segments(found: VerifyReport) -> dict[str, list[tuple[str, str]]]:
         for sid in p.sample_ids or [""]:
             damaged.setdefault(match.group(1), []).append((sid, f"{p.reason} ({p.where})"))
     return damaged
+
+
+def _keep_glitches(
+    storage: Storage,
+    candidate: Manifest,
+    damaged: dict[str, list[tuple[str, str]]],
+    workers: int | None,
+) -> None:
+    """Check once more each segment damaged by persistent I/O errors alone: one that reads
+    now had a glitch, not damage, and is kept (a repair must never drop what a healthy disk
+    would read; see hsstore.format.damage)."""
+    eio = [
+        s
+        for s in candidate.segments
+        if s.id in damaged and all(PERSISTENT_EIO in why for _, why in damaged[s.id])
+    ]
+    if not eio:
+        return
+    again = VerifyReport(path=storage.root, version=candidate.version)
+    check_segments(storage, replace(candidate, segments=tuple(eio)), again, workers=workers)
+    still = _damaged_segments(again)
+    for seg in eio:
+        if seg.id not in still:
+            del damaged[seg.id]
 
 
 def _publish_repair(

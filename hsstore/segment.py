@@ -23,6 +23,7 @@ import zstandard
 from hsstore.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.format import paths, tiers, zarr_meta
+from hsstore.format.damage import read_io
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.store import Storage
@@ -123,7 +124,7 @@ class SegmentReader:
         if expected is None:
             raise FormatError("file is not listed in the manifest", path=where)
         try:
-            data = self.storage.read_bytes(self._key(relpath))
+            data = read_io(self.storage.read_bytes, self._key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed file is missing", path=where) from exc
         if len(data) != expected.size:
@@ -177,7 +178,7 @@ class SegmentReader:
         """The sample ids a damaged index still yields (its sample_id column, if that part
         decodes), so a report can name what the damage affects; [] when nothing is readable."""
         try:
-            data = self.storage.read_bytes(self._key(paths.INDEX))
+            data = read_io(self.storage.read_bytes, self._key(paths.INDEX))
             with pq.ParquetFile(pa.BufferReader(data)) as index_file:
                 column = index_file.read(columns=["sample_id"], use_threads=False)
             return [str(x) for x in column.column("sample_id").to_pylist()]
@@ -229,7 +230,7 @@ class SegmentReader:
         size = self._shard_size(shard)
         nbytes = self._index_nbytes
         buf = bytearray(nbytes)
-        got = self.storage.read_into(self._key(relpath), size - nbytes, memoryview(buf))
+        got = read_io(self.storage.read_into, self._key(relpath), size - nbytes, memoryview(buf))
         if got != nbytes:
             raise IntegrityError("shard index is truncated", path=where)
         return self._parse_shard_index(memoryview(buf), size - nbytes, where)
@@ -247,7 +248,7 @@ class SegmentReader:
         if expected is None:
             raise IntegrityError(f"shard {shard} is not listed in the manifest", path=where)
         try:
-            size = self.storage.size(self._key(relpath))
+            size = read_io(self.storage.size, self._key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed shard file is missing", path=where) from exc
         except FormatError as exc:  # a FIFO or device where the shard belongs
@@ -287,7 +288,7 @@ class SegmentReader:
         where = self.where(relpath)
         try:
             size = self._shard_size(shard)
-            data = memoryview(self.storage.read_bytes(self._key(relpath)))
+            data = memoryview(read_io(self.storage.read_bytes, self._key(relpath)))
             report.nbytes = len(data)
             if len(data) != size:
                 raise IntegrityError("shard changed size while being read", path=where)
@@ -577,7 +578,7 @@ class SegmentReader:
             length = sum(n for _, n, _, _ in run)
             requests.append((run[0][0], buf[at : at + length]))
             at += length
-        got = self.storage.read_ranges_into(key, requests)
+        got = read_io(self.storage.read_ranges_into, key, requests)
         if got != [len(b) for _, b in requests]:
             raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
         fetched: dict[tuple[int, int], memoryview] = {}
@@ -598,7 +599,7 @@ class SegmentReader:
                 raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
             return mapped[offset : offset + nbytes]
         encoded = self._scratch("enc", nbytes)
-        if self.storage.read_into(key, offset, encoded) != nbytes:
+        if read_io(self.storage.read_into, key, offset, encoded) != nbytes:
             raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
         return encoded
 
@@ -651,7 +652,7 @@ class SegmentReader:
                 run_rows += hi - lo
                 prev_end = file_start + (hi - lo) * rb
                 c += 1
-            if self.storage.read_scatter(key, run_start, run) != prev_end - run_start:
+            if read_io(self.storage.read_scatter, key, run_start, run) != prev_end - run_start:
                 raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
             if hasher is not None:
                 hasher.update(out_bytes[run_lo - start : run_lo - start + run_rows])

@@ -83,7 +83,6 @@ class Writer:
             encode_threads or os.cpu_count() or 1,
         )
         self._known_segments = {s.id for s in ds.manifest.segments}
-        self._segments_seen = len(ds.manifest.segments)
         self._committed_ids = set(ds.sample_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
@@ -331,8 +330,8 @@ class Writer:
                 raise self._removed(hit, mine, None, lapsed=self.leases.lapsed(sorted(hit)))
 
         def build_next(latest: Manifest) -> Manifest:
-            # Segments are only ever appended: the ones this writer has not seen are at the end.
-            for seg in latest.segments[self._segments_seen :]:
+            # By id, not by position: a repair removes segments, so new ones need not be last.
+            for seg in latest.segments:
                 if seg.id in self._known_segments:
                     continue
                 theirs = set(
@@ -395,7 +394,6 @@ class Writer:
         self._skipped = self._skipped[len(skipped) :]
         self._runs = self._runs[len(runs) :]
         self.manifest = published
-        self._segments_seen = len(published.segments)
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
         # Published: from here on nothing may turn the commit into an error. A view that

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import random
 import threading
 import time
@@ -231,3 +232,56 @@ def clock_shift(seconds: float) -> Iterator[None]:
         yield
     finally:
         time.time = _real_time  # type: ignore[assignment]
+
+
+def faketime_env(seconds: float, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process whose wall clock (and every clock it reads:
+    ``time.time``, the clocks of obstore's Rust code, request signatures) runs ``seconds`` ahead
+    (behind, if negative), by libfaketime's preload library, which the dev extra installs
+    (the PyPI package ``libfaketime`` bundles it). File times stay the kernel's: as on a
+    machine whose clock is off, the storage stamps what it stores with its own clock."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("libfaketime")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("libfaketime is not installed: run scripts/install.sh (dev extra)")
+    lib = f"{spec.submodule_search_locations[0]}/vendor/libfaketime/src/libfaketime.so.1"
+    out = dict(os.environ if env is None else env)
+    out["LD_PRELOAD"] = lib + (":" + out["LD_PRELOAD"] if out.get("LD_PRELOAD") else "")
+    out["FAKETIME"] = f"{seconds:+g}s"
+    return out
+
+
+def stopped_at(
+    inner: Storage,
+    verb: str,
+    key_part: str,
+    run: Callable[[Storage], Any],
+    meanwhile: Callable[[], None],
+) -> Any:
+    """``run(storage)`` (``inner`` wrapped) on a thread, stopped at its first ``verb`` call on a
+    key containing ``key_part`` while ``meanwhile()`` runs here; returns what ``run`` returned
+    (or raises what it raised)."""
+    reached, release = threading.Event(), threading.Event()
+    faulty = FaultyStorage(
+        inner, at(verb, key_part, Fault("pause", release=release, reached=reached))
+    )
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = run(faulty)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    try:
+        assert reached.wait(30), f"never reached {verb} {key_part}"
+        meanwhile()
+    finally:
+        release.set()
+        thread.join(60)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

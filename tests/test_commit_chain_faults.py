@@ -135,8 +135,8 @@ def test_gc_condemning_version_is_a_link_of_the_chain(location):
 
 
 def test_a_refresh_the_storage_did_not_answer_keeps_the_old_view(location):
-    """A failed index read of a new segment (the storage not answering) raises and leaves the
-    view at its version; the same segment with its index removed is damage: the view moves on
+    """A failed index read of a new segment (an object store not answering) raises and leaves
+    the view at its version (a local EIO is read again); the same segment with its index removed is damage: the view moves on
     without it, naming it in ``unreadable``."""
     _make(location)
     storage = FaultyStorage(open_storage(location))
@@ -144,11 +144,14 @@ def test_a_refresh_the_storage_did_not_answer_keeps_the_old_view(location):
     with hsstore.open(location).writer() as w:
         w.add("a", *_sample("a"))
     storage.plan = at("read_bytes", paths.INDEX, Fault("fail"))
-    with pytest.raises((HsstoreError, OSError), match="injected"):
-        ds.refresh()
-    assert ds.manifest.version == 1 and not ds.unreadable and len(ds) == 0
+    if "://" in location:
+        with pytest.raises(HsstoreError, match="injected"):
+            ds.refresh()
+        assert ds.manifest.version == 1 and not ds.unreadable and len(ds) == 0
+    # else: a local disk's EIO is read again, and one a retry gets past is no error at all
     ds.refresh()  # the storage answers again
     assert ds.sample_ids == ["a"] and not ds.unreadable
+    assert storage.tally.counts["fail"] == 1
 
     with hsstore.open(location).writer() as w:
         w.add("b", *_sample("b"))

@@ -18,6 +18,7 @@ from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
 from hsstore.format.locations import open_storage
 from hsstore.format.store import LocalStorage, Storage
+from tests.faults import stopped_at
 from tools.synthetic import random_sample
 
 TTL = 0.4
@@ -68,11 +69,11 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
     w._finish_segment()
     seg_id = w._finished[0].id
 
-    def pause(stage: str) -> None:
-        if stage == "listed":
-            w.commit()
-
-    report = commit.gc(open_storage(location), grace_s=0, pause=pause)
+    # gc stops at its first listing of segments/, after it read the manifest; the writer
+    # publishes and drops its lease meanwhile.
+    report = stopped_at(
+        open_storage(location), "list", paths.SEGMENTS, lambda s: commit.gc(s, grace_s=0), w.commit
+    )
     w.close()
     assert seg_id not in report.removed_segments
     storage = open_storage(location)

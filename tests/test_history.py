@@ -207,3 +207,17 @@ def test_a_damaged_checkpoint_is_passed_over_and_reported(long_history, tmp_path
     report = hsstore.verify(copy)
     assert [p.where for p in report.problems] == [str(checkpoint)]
     assert "checksum mismatch" in report.problems[0].reason
+
+
+def test_a_writer_whose_base_version_was_pruned_refuses_without_claiming_a_rollback(tmp_path):
+    ds = _create(tmp_path / "ds")
+    late = hsstore.open(tmp_path / "ds").writer(encode_threads=1)
+    _commit_each(ds, 4)
+    assert hsstore.gc(tmp_path / "ds", keep_versions=1).pruned_manifests == [1, 2, 3, 4]
+    late.add("late", *random_sample(5, 2, H, seed=99))
+    with pytest.raises(hsstore.IntegrityError, match="pruned .gc --keep-versions. after") as info:
+        late.commit()
+    assert "rolled back" not in str(info.value)
+    late.close()
+    assert "late" not in hsstore.open(tmp_path / "ds").sample_ids
+    assert hsstore.verify(tmp_path / "ds").ok

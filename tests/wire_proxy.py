@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 
 Rule = Callable[[str, str], str | None]  # (method, path) -> None | "drop" | "reset" | "stall"
@@ -137,11 +138,12 @@ class WireProxy:
 
 
 def once(action: str, method: str, path_part: str) -> Rule:
-    """A rule that acts on the first request of ``method`` whose path contains ``path_part``."""
+    """A rule that acts on the first request of ``method`` whose path contains ``path_part``
+    (percent-decoded: GCS's XML API sends an object name's ``/`` and ``.`` encoded)."""
     done = threading.Event()
 
     def rule(m: str, path: str) -> str | None:
-        if done.is_set() or m != method or path_part not in path:
+        if done.is_set() or m != method or path_part not in urllib.parse.unquote(path):
             return None
         done.set()
         return action

@@ -182,8 +182,13 @@ def _catch_up(
         except FileNotFoundError:
             # The hint is written only after its version, and versions are contiguous: a hint
             # above us with our successor absent means published versions were deleted.
-            check_not_rolled_back(storage, latest.version)
+            try:
+                check_not_rolled_back(storage, latest.version)
+            except IntegrityError:
+                _refuse_if_pruned(storage, latest.version)
+                raise
             if not storage.exists(paths.manifest_key(latest.version)):
+                _refuse_if_pruned(storage, latest.version)
                 raise IntegrityError(
                     f"version {latest.version}, which this commit extends, was deleted: the "
                     f"newest versions were deleted or rolled back (restore them)",
@@ -204,6 +209,19 @@ def _catch_up(
             return latest, True
 
 
+def _refuse_if_pruned(storage: Storage, base: int) -> None:
+    """Raise when ``base`` and its successor are gone because `gc --keep-versions` pruned them
+    (newer versions are there): what was published since cannot be checked any more."""
+    versions = list_versions(storage)
+    if versions and versions[0] > base + 1:
+        raise IntegrityError(
+            f"versions up to {versions[0] - 1} were pruned (gc --keep-versions) after this "
+            f"commit read version {base}, so it cannot check what was published since; nothing "
+            f"was published: add its samples again with a new writer",
+            path=storage.root,
+        )
+
+
 @dataclass
 class GcReport:
     removed_segments: list[str] = field(default_factory=list)
@@ -217,7 +235,6 @@ def gc(
     *,
     keep_versions: int | None = None,
     grace_s: float = 60.0,
-    pause: Callable[[str], None] | None = None,
 ) -> GcReport:
     """Remove what no committed version references and no live writer may still publish.
 
@@ -229,8 +246,7 @@ def gc(
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
     (None keeps every version; their segments are kept either way, since segments are only
-    ever added). pause: a test hook, called with "listed" after the first manifest read and
-    "checked" after the liveness checks, to run a writer step exactly there.
+    ever added).
     """
     report = GcReport()
     versions = list_versions(storage)
@@ -241,8 +257,6 @@ def gc(
     latest = load_manifest(storage, versions[-1])
     check_no_lost_commits(storage, latest)  # nor is a segment a lost version committed
     referenced = {s.id for s in latest.segments}
-    if pause is not None:
-        pause("listed")
     dead = []
     for name in storage.list(paths.SEGMENTS):
         if not paths.is_segment_id(name) or name in referenced:
@@ -251,8 +265,6 @@ def gc(
             report.live_segments.append(name)
         else:
             dead.append(name)
-    if pause is not None:
-        pause("checked")
     for name in _condemn(storage, dead, base=latest):
         storage.delete_tree(paths.segment_dir(name))
         report.removed_segments.append(name)

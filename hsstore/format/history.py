@@ -262,8 +262,11 @@ def lost_commits(storage: Storage, latest: Manifest) -> list[tuple[str, int]]:
         if not storage.exists(mark_key(name)):
             continue
         mark = read_mark(storage, name)
-        if mark is not None and mark.get("dataset_id") == latest.dataset_id:
-            lost.append((name, mark["version"]))
+        if mark is None or mark.get("dataset_id") != latest.dataset_id:
+            continue
+        if mark["version"] > latest.version and storage.exists(paths.manifest_key(mark["version"])):
+            continue  # published after ``latest`` was read (a writer at work): not lost
+        lost.append((name, mark["version"]))
     return lost
 
 

@@ -43,7 +43,7 @@ from hsstore.format.sealing import checksum_matches, seal_document
 from hsstore.format.tiers import Tier, check_matches
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
 # without a checksum (see FORMAT.md).
 

@@ -1,0 +1,43 @@
+"""When a failed read of a committed file is damage: the rule for I/O errors.
+
+A missing file, a wrong size, bytes failing their checksum are damage at once. An I/O error
+(EIO) is damage only when it persists, as a bad sector or a failed disk does; one a later read
+gets past (a network filesystem's glitch, a path failing over) is not, and must never make a
+segment unreadable, let alone make `repair` drop it. See docs/STORAGE.md, "I/O errors".
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from hsstore.errors import HsstoreError, IntegrityError
+
+# A read failing with EIO is tried again after each of these waits; failing every time (about
+# 2 s), its file is reported damaged.
+EIO_RETRY_WAITS_S = (0.1, 0.4, 1.5)
+# What the report of such a file says (`hsstore.repair` checks those files once more).
+PERSISTENT_EIO = "I/O error on each of"
+
+_T = TypeVar("_T")
+
+
+def read_io(read: Callable[..., _T], *args: Any) -> _T:
+    """``read(*args)`` (a storage read of a committed file), with an EIO that persists over
+    every retry raised as the IntegrityError naming the file (the damage rule above)."""
+    for pause in (*EIO_RETRY_WAITS_S, None):
+        try:
+            return read(*args)
+        except OSError as exc:
+            if exc.errno != errno.EIO or isinstance(exc, HsstoreError):
+                raise
+            if pause is None:
+                raise IntegrityError(
+                    f"cannot read: {PERSISTENT_EIO} {len(EIO_RETRY_WAITS_S) + 1} tries over "
+                    f"{sum(EIO_RETRY_WAITS_S):g} s ({exc.strerror or exc}): the file is damaged",
+                    path=exc.filename,
+                ) from exc
+            time.sleep(pause)
+    raise AssertionError("unreachable")
