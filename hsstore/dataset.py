@@ -18,7 +18,6 @@ import torch
 import xxhash
 
 from hsstore import fp8
-from hsstore.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.errors import (
     BadInputError,
     ConflictError,
@@ -27,6 +26,7 @@ from hsstore.errors import (
     StorageError,
 )
 from hsstore.format import commit, paths, zarr_meta
+from hsstore.format.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
 from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
 from hsstore.format.layout import Layout

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import xxhash
 import zstandard
 
-from hsstore.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.format import paths, zarr_meta
+from hsstore.format.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.store import Storage

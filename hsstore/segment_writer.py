@@ -23,9 +23,9 @@ import torch
 import zstandard
 
 from hsstore import fp8
-from hsstore.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError
 from hsstore.format import paths, zarr_meta
+from hsstore.format.codecs import ChunkCodec, crc32c
 from hsstore.format.manifest import FileInfo, Manifest, SegmentInfo, now_iso
 from hsstore.format.sample_index import COLUMN_ZSTD_LEVEL, INDEX_SCHEMA, sample_checksum
 from hsstore.format.store import Storage

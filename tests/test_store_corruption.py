@@ -205,7 +205,7 @@ def test_shard_index_with_valid_crc_but_wrong_sizes_is_refused(tmp_path):
 
     import numpy as np
 
-    from hsstore.codecs import crc32c
+    from hsstore.format.codecs import crc32c
 
     ds = _build(tmp_path / "ds", "none")
     shard = _shards(ds)[0]
@@ -229,7 +229,7 @@ def test_blosc_header_that_disagrees_with_the_chunk_is_refused(tmp_path, field, 
 
     import numpy as np
 
-    from hsstore.codecs import crc32c
+    from hsstore.format.codecs import crc32c
 
     ds = _build(tmp_path / "ds", "split-zstd")
     shard = _shards(ds)[0]

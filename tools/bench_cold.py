@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec, read_ahead  # noqa: E402
-from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.bench_peers import (  # noqa: E402
     Sample,
     data_arguments,

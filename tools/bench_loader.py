@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore.codecs import DEFAULT_CODEC as COMPRESSED
+from hsstore.format.codecs import DEFAULT_CODEC as COMPRESSED
 
 LAYERS = 4
 

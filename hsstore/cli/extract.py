@@ -10,7 +10,7 @@ import sys
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
-from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
+from hsstore.format.codecs import CODEC_NAMES, DEFAULT_CODEC
 
 
 @click.command("extract")

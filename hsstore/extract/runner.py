@@ -20,13 +20,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hsstore.codecs import DEFAULT_CODEC
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extract.batching import parse_shard
 from hsstore.extract.extra import require_extract_extra
 from hsstore.extract.layer_select import parse_layers
 from hsstore.extract.progress import Progress
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
+from hsstore.format.codecs import DEFAULT_CODEC
 from hsstore.format.layers import LayerSpec
 from hsstore.format.runs import input_identity, run_record
 

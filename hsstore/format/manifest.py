@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.codecs import CodecConfig
 from hsstore.errors import (
     FormatError,
     IncompatibleDatasetError,
@@ -27,6 +26,7 @@ from hsstore.errors import (
     UnsupportedVersionError,
 )
 from hsstore.format import paths
+from hsstore.format.codecs import CodecConfig
 from hsstore.format.dtypes import (
     COLUMN_DTYPES,
     DTYPES,

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hsstore.codecs import CodecConfig, crc32c
+from hsstore.format.codecs import CodecConfig, crc32c
 from hsstore.format.layout import Layout
 
 # The sharding index: per inner chunk (offset, nbytes) as little-endian uint64, then crc32c.
