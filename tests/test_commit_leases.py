@@ -16,8 +16,9 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import Storage
 from tools.synthetic import random_sample
 
 TTL = 0.4

@@ -72,7 +72,7 @@ def test_a_chunk_decoded_for_a_checksummed_read_is_not_trusted_by_a_partial_one(
     rpc = ds.manifest.layout.rows_per_chunk
     shared = LENGTHS[0] // rpc  # the chunk where s0 ends and s1 begins
     assert LENGTHS[0] % rpc > 0 and shared < ds.manifest.layout.chunks_per_shard
-    offset, _ = ds._readers[0].shard_index(0)[shared, 0].tolist()
+    offset, _ = ds._readers[0].shard_index(0).chunk(shared, 0)
     shard = _shards(ds)[0]
     data = bytearray(shard.read_bytes())
     values = rpc * ds.manifest.num_layers * 32
