@@ -12,7 +12,6 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -24,12 +23,9 @@ from hsstore.format import paths
 from hsstore.format.codecs import ChunkCodec, crc32c
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
-from hsstore.format.segment_layout import CRC_BYTES, EMPTY, ShardIndex, decode_column
+from hsstore.format.segment_layout import CRC_BYTES, ShardIndex, decode_column
 from hsstore.format.store import Storage
-
-# Decode buffers are per thread and shared by every segment reader, so a reading thread holds
-# about two chunks of scratch however many segments it has touched.
-_THREAD_SCRATCH = threading.local()
+from hsstore.segment_rows import RowsRead, read_raw_rows
 
 # A sample's read is split between threads only where each share decodes at least this much:
 # handing a share to a pool thread costs tens of microseconds, a MiB decodes in about 0.5 ms.
@@ -70,28 +66,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_READ_POOL.forget)
 
 
-@dataclass
-class ChunkProblem:
-    chunk: tuple[int, int]  # (row chunk within the segment, layer chunk)
-    rows: tuple[int, int]  # the segment rows [lo, hi) it holds
-    reason: str
-
-
-@dataclass
-class ShardCheck:
-    """What `SegmentReader.check_shard` found in one shard file."""
-
-    shard: int
-    rows: tuple[int, int]  # the segment rows [lo, hi) the shard holds
-    nbytes: int = 0  # bytes read
-    error: str | None = None  # the whole shard is unusable (missing, truncated, bad index)
-    chunks: list[ChunkProblem] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.chunks
-
-
 class SegmentReader:
     """Reads rows of one committed segment; thread-safe, buffers reused per thread."""
 
@@ -99,21 +73,21 @@ class SegmentReader:
         self.storage = storage
         self.manifest = manifest
         self.info = info
-        self._codec = ChunkCodec(manifest.codec, manifest.storage_dtype.itemsize)
+        self.codec = ChunkCodec(manifest.codec, manifest.storage_dtype.itemsize)
         self._shard_indexes: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         layout = manifest.layout
-        self._n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
-        self._row_bytes_chunk = (
+        self.n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
+        self.row_bytes_chunk = (
             layout.layers_per_chunk * manifest.hidden_size * manifest.storage_dtype.itemsize
         )
 
-    def _key(self, relpath: str) -> str:
+    def key(self, relpath: str) -> str:
         return paths.segment_file(self.info.id, relpath)
 
     def where(self, relpath: str) -> str:
-        return self.storage.path_of(self._key(relpath))
+        return self.storage.path_of(self.key(relpath))
 
     def read_small(self, relpath: str) -> bytes:
         """A small file, checked against the size and crc32c the manifest recorded."""
@@ -122,7 +96,7 @@ class SegmentReader:
         if expected is None:
             raise FormatError("file is not listed in the manifest", path=where)
         try:
-            data = self.storage.read_bytes(self._key(relpath))
+            data = self.storage.read_bytes(self.key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed file is missing", path=where) from exc
         if len(data) != expected.size:
@@ -176,7 +150,7 @@ class SegmentReader:
         """The sample ids a damaged index still yields (its sample_id column, if that part
         decodes), so a report can name what the damage affects; [] when nothing is readable."""
         try:
-            data = self.storage.read_bytes(self._key(paths.INDEX))
+            data = self.storage.read_bytes(self.key(paths.INDEX))
             with pq.ParquetFile(pa.BufferReader(data)) as index_file:
                 column = index_file.read(columns=["sample_id"], use_threads=False)
             return [str(x) for x in column.column("sample_id").to_pylist()]
@@ -215,19 +189,19 @@ class SegmentReader:
 
     def _load_shard_index(self, shard: int) -> ShardIndex:
         relpath = paths.shard_relpath(shard)
-        size = self._shard_size(shard)
-        nbytes = self._index_nbytes
+        size = self.shard_size(shard)
+        nbytes = self.index_nbytes
         buf = memoryview(bytearray(nbytes))
-        (got,) = self.storage.read_ranges(self._key(relpath), [(size - nbytes, nbytes)], [buf])
+        (got,) = self.storage.read_ranges(self.key(relpath), [(size - nbytes, nbytes)], [buf])
         if len(got) != nbytes:
             raise IntegrityError("shard index is truncated", path=self.where(relpath))
-        return self._parse_shard_index(buf, size - nbytes, self.where(relpath))
+        return self.parse_shard_index(buf, size - nbytes, self.where(relpath))
 
     @property
-    def _index_nbytes(self) -> int:
-        return ShardIndex.nbytes(self.manifest.layout.chunks_per_shard, self._n_layer_chunks)
+    def index_nbytes(self) -> int:
+        return ShardIndex.nbytes(self.manifest.layout.chunks_per_shard, self.n_layer_chunks)
 
-    def _shard_size(self, shard: int) -> int:
+    def shard_size(self, shard: int) -> int:
         """The shard's size on storage, checked against the manifest."""
         relpath = paths.shard_relpath(shard)
         where = self.where(relpath)
@@ -235,7 +209,7 @@ class SegmentReader:
         if expected is None:
             raise IntegrityError(f"shard {shard} is not listed in the manifest", path=where)
         try:
-            size = self.storage.size(self._key(relpath))
+            size = self.storage.size(self.key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed shard file is missing", path=where) from exc
         except FormatError as exc:  # a FIFO or device where the shard belongs
@@ -244,72 +218,20 @@ class SegmentReader:
             raise IntegrityError(
                 f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where
             )
-        if size < self._index_nbytes:
+        if size < self.index_nbytes:
             raise IntegrityError("shard is shorter than its index", path=where)
         return size
 
-    def _parse_shard_index(self, raw: memoryview, data_end: int, where: str) -> ShardIndex:
+    def parse_shard_index(self, raw: memoryview, data_end: int, where: str) -> ShardIndex:
         compressed = self.manifest.codec.compressed
         return ShardIndex.decode(
             raw,
             data_end,
             chunks_per_shard=self.manifest.layout.chunks_per_shard,
-            layer_chunks=self._n_layer_chunks,
+            layer_chunks=self.n_layer_chunks,
             raw_chunk_nbytes=None if compressed else self.manifest.chunk_nbytes + CRC_BYTES,
             where=where,
         )
-
-    def check_shard(self, shard: int) -> ShardCheck:
-        """Re-read one whole shard: its size, index, and every chunk's crc32c and decoded size.
-        Never raises for damage; the result names the rows each problem affects."""
-        layout = self.manifest.layout
-        lo = shard * layout.rows_per_shard
-        report = ShardCheck(shard, (lo, min(lo + layout.rows_per_shard, self.info.num_rows)))
-        relpath = paths.shard_relpath(shard)
-        where = self.where(relpath)
-        try:
-            size = self._shard_size(shard)
-            data = memoryview(self.storage.read_bytes(self._key(relpath)))
-            report.nbytes = len(data)
-            if len(data) != size:
-                raise IntegrityError("shard changed size while being read", path=where)
-            idx = self._parse_shard_index(
-                data[size - self._index_nbytes :], size - self._index_nbytes, where
-            )
-        except IntegrityError as exc:
-            report.error = exc.message
-            return report
-        except OSError as exc:  # unreadable (permissions, I/O error): damage all the same
-            report.error = f"cannot read shard ({exc.strerror or exc})"
-            return report
-        rpc = layout.rows_per_chunk
-        for local in range(layout.chunks_per_shard):
-            c = shard * layout.chunks_per_shard + local
-            rows = (c * rpc, min((c + 1) * rpc, self.info.num_rows))
-            for j in range(self._n_layer_chunks):
-                offset, nbytes = idx.chunk(local, j)
-                if offset == EMPTY:
-                    if rows[0] < rows[1]:
-                        report.chunks.append(
-                            ChunkProblem((c, j), rows, "chunk of committed rows is missing")
-                        )
-                    continue
-                try:
-                    self._codec.check(
-                        data[offset : offset + nbytes], self.manifest.chunk_nbytes, what=where
-                    )
-                except HsstoreError as exc:
-                    report.chunks.append(ChunkProblem((c, j), rows, exc.message))
-        return report
-
-    def _scratch(self, name: str, nbytes: int) -> memoryview:
-        bufs = getattr(_THREAD_SCRATCH, "bufs", None)
-        if bufs is None:
-            bufs = _THREAD_SCRATCH.bufs = {}
-        buf = bufs.get(name)
-        if buf is None or len(buf) < nbytes:
-            buf = bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return memoryview(buf)[:nbytes]
 
     def read_rows(
         self,
@@ -343,7 +265,7 @@ class SegmentReader:
         if hasher is not None and not all_layers:
             raise FormatError("a sample checksum covers all layers")
         if whole_rows and not man.codec.compressed:
-            self._read_raw_rows(start, stop, out_bytes, hasher)
+            read_raw_rows(self, start, stop, out_bytes, hasher)
             return
         if crc is None:
             crc = hasher is None
@@ -356,7 +278,7 @@ class SegmentReader:
         by_chunk: dict[int, list[tuple[int, int]]] = {}
         for pos, layer in enumerate(wanted):
             by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
-        read = _RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows)
+        read = RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows)
         c, last = start // rpc, (stop - 1) // rpc
         while c <= last:  # shard by shard
             end = min(last, (c // cps + 1) * cps - 1)
@@ -382,7 +304,7 @@ class SegmentReader:
         layer_chunks = sorted({layer // lpc for layer in wanted})
         for shard in np.unique(chunks // cps).tolist():
             in_shard = chunks[chunks // cps == shard] - shard * cps
-            key = self._key(paths.shard_relpath(shard))
+            key = self.key(paths.shard_relpath(shard))
             try:
                 self.storage.will_read(
                     key, self.shard_index(shard).byte_ranges(in_shard, layer_chunks)
@@ -396,7 +318,7 @@ class SegmentReader:
         rpc = self.manifest.layout.rows_per_chunk
         first, last = start // rpc, (stop - 1) // rpc
         n = last - first + 1
-        k = min(threads, n, (stop - start) * self._row_bytes_chunk // PARALLEL_MIN_BYTES)
+        k = min(threads, n, (stop - start) * self.row_bytes_chunk // PARALLEL_MIN_BYTES)
         if k < 2:
             return [(start, stop)]
         bounds = [first + n * s // k for s in range(k + 1)]
@@ -437,150 +359,3 @@ class SegmentReader:
                 pending.cancel()
             # (a cancelled share counts as done only once a pool thread has dropped it)
             wait([share for share in futures if not share.cancelled()])
-
-    def _read_raw_rows(
-        self, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
-    ) -> None:
-        """Uncompressed, all layers: a chunk is its rows then a 4-byte crc32c, so the wanted
-        rows of each chunk are one byte range of the shard, read straight into ``out`` (the
-        storage reads ranges that lie nearly back to back together). The whole-sample checksum
-        verifies the bytes, since a partial chunk cannot be checked against its crc."""
-        layout = self.manifest.layout
-        rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, self._row_bytes_chunk
-        c, last = start // rpc, (stop - 1) // rpc
-        while c <= last:  # shard by shard
-            shard = c // cps
-            end = min(last, (shard + 1) * cps - 1)
-            key = self._key(paths.shard_relpath(shard))
-            ranges, into = [], []
-            for local, _, offset, _ in self.shard_index(shard).chunks(
-                c - shard * cps, end - shard * cps, [0]
-            ):
-                crow0 = (shard * cps + local) * rpc
-                if offset == EMPTY:
-                    raise IntegrityError(
-                        f"chunk ({crow0 // rpc}, 0) of committed rows is missing",
-                        path=self.storage.path_of(key),
-                    )
-                lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-                ranges.append((offset + (lo - crow0) * rb, (hi - lo) * rb))
-                into.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
-            for (_, nbytes), got in zip(
-                ranges, self.storage.read_ranges(key, ranges, into), strict=True
-            ):
-                if len(got) != nbytes:
-                    raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-                if hasher is not None:
-                    hasher.update(got)
-            c = end + 1
-
-
-class _RowsRead:
-    """One compressed `SegmentReader.read_rows` call: its chunks decoded shard by shard, each
-    as its bytes arrive from the storage (`Storage.read_ranges`), into ``out`` or, for a chunk
-    only part of whose rows or layers are wanted, into this thread's scratch and copied from
-    there. Per-chunk work is kept to the decode itself: shard state is looked up once per
-    shard, and the location string of a chunk is only built for an error."""
-
-    def __init__(
-        self,
-        reader: SegmentReader,
-        start: int,
-        stop: int,
-        by_chunk: dict[int, list[tuple[int, int]]],
-        out: np.ndarray,
-        out_bytes: np.ndarray,
-        hasher: xxhash.xxh3_64 | None,
-        crc: bool,
-        whole_rows: bool,
-    ):
-        self.reader, self.start, self.stop, self.by_chunk = reader, start, stop, by_chunk
-        self.out, self.flat, self.rb = out, out_bytes.reshape(-1), out_bytes.shape[1]
-        self.hasher, self.crc, self.whole_rows = hasher, crc, whole_rows
-        layout = reader.manifest.layout
-        self.rpc, self.lpc, self.cps = (
-            layout.rows_per_chunk,
-            layout.layers_per_chunk,
-            layout.chunks_per_shard,
-        )
-        self.chunk_nbytes = self.rpc * reader._row_bytes_chunk
-
-    def _whole(self, c: int) -> bool:
-        """Whether chunk ``c`` decodes straight into ``out`` (all its rows and layers wanted)."""
-        crow0 = c * self.rpc
-        return self.whole_rows and self.start <= crow0 and crow0 + self.rpc <= self.stop
-
-    def _reusable(self, plan: list[tuple[int, int, int, int]], base: int) -> int:
-        """Which entry of ``plan`` this thread's scratch holds decoded already, or -1.
-
-        A chunk cut by a sample boundary is usually needed again by the neighbouring sample:
-        the thread's scratch keeps the last one decoded (chunks never change), with whether its
-        crc was checked (a read without a sample checksum needs that). Chunks decoded straight
-        into ``out`` leave the scratch alone, so only the first chunk that goes through it can
-        find it holding the chunk it wants."""
-        cached = getattr(_THREAD_SCRATCH, "decoded", None)
-        if cached is None or cached[0] is not self.reader:
-            return -1
-        candidates = (0, len(plan) - 1) if self.whole_rows else (0,)
-        for k in candidates:
-            local, j = plan[k][0], plan[k][1]
-            if not self._whole(base + local):
-                key = (self.reader, base + local, j)
-                return k if cached in ((*key, True), (*key, self.crc)) else -1
-        return -1
-
-    def decode_chunks(self, first: int, last: int) -> None:
-        """Row chunks ``first..last``, all in one shard."""
-        reader, rpc, start, stop = self.reader, self.rpc, self.start, self.stop
-        man = reader.manifest
-        shard = first // self.cps
-        base = shard * self.cps
-        key = reader._key(paths.shard_relpath(shard))
-        where = reader.storage.path_of(key)
-        plan = reader.shard_index(shard).chunks(first - base, last - base, list(self.by_chunk))
-        for local, j, offset, _ in plan:
-            if offset == EMPTY:
-                raise IntegrityError(
-                    f"chunk ({base + local}, {j}) of committed rows is missing", path=where
-                )
-        reuse = self._reusable(plan, base)
-        views = reader.storage.read_ranges(
-            key, [(offset, nbytes) for k, (_, _, offset, nbytes) in enumerate(plan) if k != reuse]
-        )
-        last_j = plan[-1][1]
-        for k, (local, j, _, nbytes) in enumerate(plan):
-            c = base + local
-            crow0 = c * rpc
-            lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-            whole = self.whole_rows and lo == crow0 and hi == crow0 + rpc
-            if k != reuse:
-                encoded = next(views)
-                if len(encoded) != nbytes:
-                    raise IntegrityError("shard is truncated", path=where)
-                if whole:
-                    dst = self.flat[(lo - start) * self.rb : (hi - start) * self.rb]
-                else:
-                    _THREAD_SCRATCH.decoded = None
-                    dst = reader._scratch("chunk", self.chunk_nbytes)
-                try:
-                    # The sample checksum, when it is verified, covers the decoded bytes: the
-                    # chunk crc would check the same bytes a second time.
-                    reader._codec.decode_into(encoded, dst, what=where, crc=self.crc)
-                except IntegrityError as exc:
-                    raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
-                if not whole:
-                    _THREAD_SCRATCH.decoded = (reader, c, j, self.crc)
-            if not whole:
-                chunk = np.frombuffer(
-                    reader._scratch("chunk", self.chunk_nbytes), man.storage_dtype
-                )
-                rows = chunk.reshape(rpc, self.lpc, man.hidden_size)[lo - crow0 : hi - crow0]
-                if self.whole_rows:
-                    self.out[lo - start : hi - start] = rows
-                else:
-                    for pos, within in self.by_chunk[j]:
-                        self.out[lo - start : hi - start, pos] = rows[:, within]
-            if self.hasher is not None and j == last_j:
-                self.hasher.update(self.flat[(lo - start) * self.rb : (hi - start) * self.rb])
-        for _ in views:  # none left: this ends the read, and the storage releases what it held
-            pass

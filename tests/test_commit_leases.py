@@ -50,8 +50,7 @@ def test_gc_spares_a_segment_whose_heartbeat_runs(location):
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()  # the segment's files are all written, not yet committed
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id  # the segment's files are all written, not yet committed
     time.sleep(_lapse_wait(location) + TTL)  # the heartbeat keeps the lease live past its ttl
     report = hsstore.gc(location, grace_s=0)
     assert report.live_segments == [seg_id] and report.removed_segments == []
@@ -66,8 +65,7 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id
 
     def pause(stage: str) -> None:
         if stage == "listed":
@@ -96,8 +94,7 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
 
     w.leases.before_heartbeat = stall
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id
     assert stalled.wait(5)
     time.sleep(_lapse_wait(location))
     report = hsstore.gc(location, grace_s=0)

@@ -255,7 +255,7 @@ def test_server_stopped_mid_commit_then_restarted(remote, monkeypatch):
     w = ds.writer()
     for i in range(4, 8):
         w.add(f"s-{i}", *_sample("s", i))
-    w._finish_segment()  # the new segment is uploaded; the manifest is not
+    w.flush()  # the new segment is uploaded; the manifest is not
     remote.server.stop()
     try:
         with pytest.raises(StorageError):
