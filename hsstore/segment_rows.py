@@ -155,37 +155,46 @@ class RowsRead:
             key, [(offset, nbytes) for k, (_, _, offset, nbytes) in enumerate(plan) if k != reuse]
         )
         last_j = plan[-1][1]
+        flat, rb, whole_rows, hasher, crc = (
+            self.flat,
+            self.rb,
+            self.whole_rows,
+            self.hasher,
+            self.crc,
+        )
+        decode = reader.codec.decode_into
         for k, (local, j, _, nbytes) in enumerate(plan):
             c = base + local
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-            whole = self.whole_rows and lo == crow0 and hi == crow0 + rpc
+            whole = whole_rows and lo == crow0 and hi == crow0 + rpc
+            placed = flat[(lo - start) * rb : (hi - start) * rb]  # these rows' bytes in ``out``
             if k != reuse:
                 encoded = next(views)
                 if len(encoded) != nbytes:
                     raise IntegrityError("shard is truncated", path=where)
                 if whole:
-                    dst = self.flat[(lo - start) * self.rb : (hi - start) * self.rb]
+                    dst = placed
                 else:
                     _THREAD_SCRATCH.decoded = None
                     dst = scratch("chunk", self.chunk_nbytes)
                 try:
                     # The sample checksum, when it is verified, covers the decoded bytes: the
                     # chunk crc would check the same bytes a second time.
-                    reader.codec.decode_into(encoded, dst, what=where, crc=self.crc)
+                    decode(encoded, dst, what=where, crc=crc)
                 except IntegrityError as exc:
                     raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
                 if not whole:
-                    _THREAD_SCRATCH.decoded = (reader, c, j, self.crc)
+                    _THREAD_SCRATCH.decoded = (reader, c, j, crc)
             if not whole:
                 chunk = np.frombuffer(scratch("chunk", self.chunk_nbytes), man.storage_dtype)
                 rows = chunk.reshape(rpc, self.lpc, man.hidden_size)[lo - crow0 : hi - crow0]
-                if self.whole_rows:
+                if whole_rows:
                     self.out[lo - start : hi - start] = rows
                 else:
                     for pos, within in self.by_chunk[j]:
                         self.out[lo - start : hi - start, pos] = rows[:, within]
-            if self.hasher is not None and j == last_j:
-                self.hasher.update(self.flat[(lo - start) * self.rb : (hi - start) * self.rb])
+            if hasher is not None and j == last_j:
+                hasher.update(placed)
         for _ in views:  # none left: this ends the read, and the storage releases what it held
             pass
