@@ -13,7 +13,7 @@ from hsstore.errors import IntegrityError
 from hsstore.format import paths
 from hsstore.format.codecs import ChunkCodec
 from hsstore.format.manifest import Manifest
-from hsstore.format.segment_layout import EMPTY, ShardIndex
+from hsstore.format.segment_layout import EMPTY, ShardIndex, raw_rows_range
 from hsstore.format.store import Storage
 
 # Decode buffers are per thread and shared by every segment reader, so a reading thread holds
@@ -48,8 +48,8 @@ def scratch(name: str, nbytes: int) -> memoryview:
 def read_raw_rows(
     reader: ShardSource, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
 ) -> None:
-    """Uncompressed, all layers: a chunk is its rows then a 4-byte crc32c, so the wanted
-    rows of each chunk are one byte range of the shard, read straight into ``out`` (the
+    """Uncompressed, all layers: the wanted rows of each chunk are one byte range of the shard
+    (`raw_rows_range`), read straight into ``out`` (the
     storage reads ranges that lie nearly back to back together). The whole-sample checksum
     verifies the bytes, since a partial chunk cannot be checked against its crc."""
     layout = reader.manifest.layout
@@ -70,7 +70,7 @@ def read_raw_rows(
                     path=reader.storage.path_of(key),
                 )
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-            ranges.append((offset + (lo - crow0) * rb, (hi - lo) * rb))
+            ranges.append(raw_rows_range(offset, lo - crow0, hi - lo, rb))
             into.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
         for (_, nbytes), got in zip(
             ranges, reader.storage.read_ranges(key, ranges, into), strict=True

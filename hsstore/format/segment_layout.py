@@ -114,6 +114,12 @@ class ShardIndex:
         return ranges
 
 
+def raw_rows_range(chunk_offset: int, row: int, rows: int, row_bytes: int) -> tuple[int, int]:
+    """(offset, nbytes) of ``rows`` rows from row ``row`` of an uncompressed chunk that starts
+    at ``chunk_offset``: such a chunk is its rows back to back, then its crc32c."""
+    return chunk_offset + row * row_bytes, rows * row_bytes
+
+
 def encode_column(values: np.ndarray) -> bytes:
     """A per-token column file: ``values`` (already in their stored dtype) as one zstd frame,
     then its crc32c."""
