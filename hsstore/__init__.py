@@ -4,7 +4,7 @@ Public API: `create`, `open`, `verify`, `gc`, `repair`, `Dataset`, `Sample`, `Wr
 and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 """
 
-from hsstore.dataset import Dataset, Sample, create, open
+from hsstore.dataset import Dataset, open
 from hsstore.errors import (
     BadInputError,
     CommitUnknownError,
@@ -26,7 +26,9 @@ from hsstore.errors import (
 from hsstore.format.layers import LayerSpec
 from hsstore.format.manifest import Manifest, ModelInfo
 from hsstore.integrity import VerifyReport, gc, verify
+from hsstore.new_dataset import create
 from hsstore.repair import RepairReport, repair
+from hsstore.sample import Sample
 from hsstore.writer import Writer
 
 __version__ = "0.1.0"

@@ -6,10 +6,9 @@ Writing goes through `hsstore.writer.Writer` (``ds.writer()``).
 
 from __future__ import annotations
 
+import contextlib
 import os
-import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,188 +17,26 @@ import torch
 import xxhash
 
 from hsstore import fp8
-from hsstore.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.errors import (
     BadInputError,
-    ConflictError,
     HsstoreError,
     IntegrityError,
     StorageError,
 )
-from hsstore.format import commit, paths, tiers, zarr_meta
-from hsstore.format.dtypes import DTYPES, columns_for, dtype_name, storage_view
-from hsstore.format.layers import MAX_DEPTH, LayerSpec, check_layer_list
-from hsstore.format.layout import Layout
+from hsstore.format import commit, paths, tiers
+from hsstore.format.dtypes import storage_view
+from hsstore.format.layers import LayerSpec
 from hsstore.format.lease import DEFAULT_TTL_S
-from hsstore.format.locations import nesting_problem, open_storage
-from hsstore.format.manifest import Manifest, ModelInfo, now_iso
-from hsstore.format.sample_index import INDEX_SCHEMA, finish_checksum
+from hsstore.format.locations import open_storage
+from hsstore.format.manifest import Manifest
+from hsstore.format.sample_index import finish_checksum
 from hsstore.format.store import Storage
+from hsstore.joined_index import JoinedIndex
+from hsstore.sample import Sample
 from hsstore.segment import SegmentReader
+from hsstore.segment_set import LoadedSegments, is_damage, load_segments
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
-
-# The widest released models are ~25k wide; a hidden size past this is an error, refused before
-# it sizes chunks and buffers.
-MAX_HIDDEN_SIZE = 1 << 20
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One sample: token ids, loss mask and hidden states [T, num_layers, H] as stored.
-
-    In a ``float8_e4m3fn`` dataset ``hidden`` holds the fp8 states and ``scales`` their float32
-    per-token scales [T] ([T, L] in the fp8-token-layer tier; None for every other dtype);
-    `dequantized` gives the values.
-    """
-
-    sample_id: str
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    hidden: torch.Tensor
-    scales: torch.Tensor | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def dequantized(self, dtype: torch.dtype = fp8.DEQUANTIZED_DTYPE) -> torch.Tensor:
-        """The states as values: fp8 ones as speculators' trainer computes them (hs-connectors'
-        ``fp8.to(dtype) * scale.to(dtype)``, bf16 by default, bit for bit); the states of any
-        other dtype are returned as stored (``dtype`` does not apply to them)."""
-        if self.scales is None:
-            return self.hidden
-        return fp8.dequantize(self.hidden, self.scales, dtype)
-
-
-def create(
-    path: str | os.PathLike[str] | Storage,
-    *,
-    layers: Sequence[LayerSpec | Mapping[str, Any]],
-    hidden_size: int,
-    dtype: torch.dtype | str,
-    model: ModelInfo | Mapping[str, Any] | None = None,
-    tokenizer: Mapping[str, Any] | None = None,
-    codec: str | CodecConfig = DEFAULT_CODEC,
-    layers_per_chunk: int | None = None,
-    chunk_bytes: int | None = None,
-    shard_bytes: int = 64 << 20,
-    sample_aligned: bool | None = None,
-    provenance: Mapping[str, Any] | None = None,
-    exist_ok: bool = False,
-    tier: str | None = None,
-) -> Dataset:
-    """Make an empty dataset (version 1). With ``exist_ok``, open a compatible existing one.
-
-    ``tier`` (default lossless) picks a lossy tier (`hsstore.format.tiers`): the writer then
-    takes states of any float dtype and stores them in the tier's dtype (``dtype`` is not used).
-
-    ``sample_aligned`` (default: whenever the codec compresses) starts every sample at a chunk
-    boundary, so a random read decodes only its own rows; chunks are ~``chunk_bytes`` (default
-    1 MiB), at most 32 rows when aligned (see `Layout.choose`).
-
-    ``path`` is a local path or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
-    ``file://``); see docs/STORAGE.md.
-    """
-    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int):
-        raise BadInputError(f"hidden_size must be an integer, got {hidden_size!r}", path=str(path))
-    if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
-        raise BadInputError(
-            f"hidden_size must be in 1..{MAX_HIDDEN_SIZE}, got {hidden_size}", path=str(path)
-        )
-    try:
-        specs = tuple(
-            x if isinstance(x, LayerSpec) else LayerSpec.from_json(dict(x)) for x in layers
-        )
-    except (ValueError, TypeError, KeyError) as exc:
-        raise BadInputError(f"bad layer spec: {exc}", path=str(path)) from None
-    try:
-        tier_record = tiers.parse(tier)
-    except ValueError as exc:
-        raise BadInputError(str(exc), path=str(path)) from None
-    name = dtype_name(dtype) if tier_record is None else tier_record.dtype
-    codec_cfg = codec if isinstance(codec, CodecConfig) else CodecConfig(name=codec)
-    model_info = model if isinstance(model, ModelInfo) else ModelInfo.from_json(dict(model or {}))
-    n_layers = model_info.num_hidden_layers
-    if n_layers is not None and (
-        isinstance(n_layers, bool)
-        or not isinstance(n_layers, int)
-        or not 1 <= n_layers <= MAX_DEPTH
-    ):
-        raise BadInputError(
-            f"model num_hidden_layers must be an integer in 1..{MAX_DEPTH}, got {n_layers!r}",
-            path=str(path),
-        )
-    try:
-        check_layer_list(specs, n_layers)
-    except ValueError as exc:
-        raise BadInputError(str(exc), path=str(path)) from None
-    if model_info.hidden_size is not None and model_info.hidden_size != hidden_size:
-        raise BadInputError(
-            f"model hidden_size {model_info.hidden_size} != hidden_size {hidden_size}",
-            path=str(path),
-        )
-    layout = Layout.choose(
-        num_layers=len(specs),
-        hidden_size=hidden_size,
-        itemsize=DTYPES[name][1].itemsize,
-        layers_per_chunk=layers_per_chunk,
-        chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes,
-        sample_aligned=codec_cfg.compressed if sample_aligned is None else sample_aligned,
-    )
-    now = now_iso()
-    man = Manifest(
-        version=1,
-        dataset_id=uuid.uuid4().hex,
-        created_at=now,
-        committed_at=now,
-        model=model_info,
-        tokenizer=dict(tokenizer) if tokenizer is not None else None,
-        hidden_size=hidden_size,
-        dtype=name,
-        layers=specs,
-        codec=codec_cfg,
-        layout=layout,
-        provenance=dict(provenance or {}),
-        columns=columns_for(name),
-        tier=tier_record,
-    )
-    storage = open_storage(path)
-    data = man.to_bytes()
-    if commit.list_versions(storage):
-        if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=storage.root)
-        return _open_compatible(storage, man)
-    nested = nesting_problem(storage)
-    if nested:
-        raise BadInputError(nested, path=storage.root)
-    for key, doc in (
-        (
-            paths.ROOT_ZARR_JSON,
-            zarr_meta.group_json({"hsstore": {"format_version": man.format_version}}),
-        ),
-        (paths.SEGMENTS_ZARR_JSON, zarr_meta.group_json()),
-    ):
-        storage.put_if_absent(key, doc)
-    if not storage.put_if_absent(paths.manifest_key(1), data):
-        if not exist_ok:
-            raise ConflictError("a dataset already exists here", path=storage.root)
-        return _open_compatible(storage, man)
-    return Dataset(storage)
-
-
-def _open_compatible(storage: Storage, wanted: Manifest) -> Dataset:
-    ds = Dataset(storage)
-    tiers.check_same(ds.manifest.tier, wanted.tier, path=storage.root)  # first: it sets dtype
-    ds.manifest.check_compatible(
-        wanted.layers,
-        hidden_size=wanted.hidden_size,
-        dtype=wanted.dtype,
-        num_hidden_layers=wanted.model.num_hidden_layers,
-        path=storage.root,
-    )
-    return ds
 
 
 def open(
@@ -252,10 +89,7 @@ class Dataset:
         self.path: str = self.storage.root
         self.verify_reads = verify_reads
         self.read_threads = default_read_threads() if read_threads is None else read_threads
-        self._readers: list[SegmentReader] = []
-        self._tables: list[pa.Table] = []
-        self._seen: tuple[str, ...] = ()
-        self.unreadable: dict[str, str] = {}
+        self._loaded: LoadedSegments | None = None
         self._load(
             manifest if manifest is not None else commit.load_manifest(self.storage, version)
         )
@@ -264,52 +98,19 @@ class Dataset:
         # Segments are immutable and a commit usually only appends: on refresh, keep the
         # readers (and their decoded indexes and caches) of segments already loaded and read
         # only the new ones; the joined index is rebuilt when next used.
-        readers, tables = list(self._readers), list(self._tables)
-        seen, unreadable = self._seen, dict(self.unreadable)
-        n = len(seen)
-        if tuple(s.id for s in manifest.segments[:n]) != seen:  # a repair removed some
-            readers, tables, seen, unreadable = [], [], (), {}
-            n = 0
-        for info in manifest.segments[n:]:
-            # A segment whose index cannot be read is left out of the view, named in
-            # `unreadable`: damage stays in the samples it touched (verify names them, and
-            # `hsstore.repair` publishes a version without them).
-            reader = SegmentReader(self.storage, manifest, info)
-            try:
-                table = reader.index()
-                if table.num_rows != info.num_samples:
-                    raise IntegrityError(
-                        f"index has {table.num_rows} rows, manifest says {info.num_samples}",
-                        path=reader.where(paths.INDEX),
-                    )
-            except HsstoreError as exc:
-                if not _is_damage(exc) or _file_intact(reader, paths.INDEX):
-                    # A storage that failed to answer (the view stays at its old version), or
-                    # intact bytes that disagree with the manifest: neither is local damage.
-                    raise
-                unreadable[info.id] = str(exc)
-                continue
-            except OSError as exc:
-                if not _is_damage(exc):
-                    raise
-                unreadable[info.id] = f"{exc.filename or reader.where(paths.INDEX)}: " + (
-                    f"cannot read ({exc.strerror or exc})"
-                )
-                continue
-            readers.append(reader)
-            tables.append(table)
+        loaded = load_segments(self.storage, manifest, self._loaded)
         # Only once every index is in: a failed read leaves the view at its old version.
-        self.manifest = manifest
-        self._readers, self._tables = readers, tables
-        self._seen, self.unreadable = tuple(s.id for s in manifest.segments), unreadable
-        self._joined: _JoinedIndex | None = None
+        self.manifest, self._loaded = manifest, loaded
+        self._readers, self._tables = loaded.readers, loaded.tables
+        self.unreadable = loaded.unreadable
+        self._joined: JoinedIndex | None = None
         self._ids: list[str] | None = None
         self._pos: dict[str, int] | None = None
 
     @property
-    def _index(self) -> _JoinedIndex:
+    def _index(self) -> JoinedIndex:
         if self._joined is None:
-            self._joined = _JoinedIndex(self._tables)
+            self._joined = JoinedIndex(self._tables)
         return self._joined
 
     @property
@@ -413,12 +214,6 @@ class Dataset:
     def get(self, sample_id: str, *, layers: Sequence[int] | None = None) -> Sample:
         return self.read(self.position(sample_id), layers=layers)
 
-    def _check_position(self, i: int) -> int:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
-        return i % n
-
     def _check_layers(self, layers: Sequence[int] | None) -> list[int] | None:
         if layers is None:
             return None
@@ -436,7 +231,7 @@ class Dataset:
         The token columns of a segment are decoded once and cached, so a pass over every sample
         (building a vocabulary, counting loss tokens) costs a few bytes per token.
         """
-        i = self._check_position(i)
+        i = self._index.position(i)
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
         ids = reader.column("input_ids")[row : row + n].astype(np.int64)
@@ -449,13 +244,11 @@ class Dataset:
         """(input_ids, loss_mask) as int64 of the first ``takes[k]`` tokens of sample
         ``positions[k]``, for every k, back to back: a batch's token columns in one gather per
         segment instead of one `read_tokens` per sample."""
-        index, n = self._index, len(self)
+        index = self._index
         pos, count = np.asarray(positions, np.int64), np.asarray(takes, np.int64)
         if pos.shape != count.shape or pos.ndim != 1:
             raise ValueError("positions and takes must be 1-d and of the same length")
-        for k in np.flatnonzero((pos < -n) | (pos >= n))[:1].tolist():
-            raise IndexError(f"sample {int(pos[k])} out of range for a dataset of {n} samples")
-        pos %= max(n, 1)
+        pos = index.positions(pos)
         for k in np.flatnonzero((count < 0) | (count > index.len[pos]))[:1].tolist():
             sid, has = self.sample_ids[int(pos[k])], int(index.len[pos[k]])
             raise ValueError(f"cannot take {int(count[k])} tokens of sample {sid!r} ({has} tokens)")
@@ -477,11 +270,8 @@ class Dataset:
         follow find them in memory instead of waiting for the device; on object storage
         nothing happens. A hint: it neither checks nor decodes anything."""
         layer_list = self._check_layers(layers)
-        index, n = self._index, len(self)
-        pos = np.asarray(positions, np.int64)
-        for k in np.flatnonzero((pos < -n) | (pos >= n))[:1].tolist():
-            raise IndexError(f"sample {int(pos[k])} out of range for a dataset of {n} samples")
-        pos = pos % max(n, 1)
+        index = self._index
+        pos = index.positions(positions)
         segment, row, num_tokens = index.segment[pos], index.row[pos], index.len[pos]
         for seg in np.unique(segment).tolist():
             mine = segment == seg
@@ -494,13 +284,10 @@ class Dataset:
         """Decode sample ``i``'s states straight into ``out`` ([T, len(layers), H], contiguous CPU)
         of the dataset's dtype; for an fp8 dataset ``out`` may instead be bf16, which receives
         the values as `Sample.dequantized` computes them."""
-        self._read(
-            self._check_position(i),
-            self._check_layers(layers),
-            out,
-            values_out_ok=True,
-            threads=self.read_threads,
-        )
+        i = self._index.position(i)
+        layer_list = self._check_layers(layers)
+        values = self._check_out(out, layer_list, int(self._index.len[i]), values_ok=True)
+        self._read_into(i, layer_list, out, values, threads=self.read_threads)
         return out
 
     def read_hidden_many_into(
@@ -521,25 +308,11 @@ class Dataset:
         queue of work split a batch between them.
         """
         layer_list = self._check_layers(layers)
-        man = self.manifest
-        width = man.num_layers if layer_list is None else len(layer_list)
-        if out.dim() != 3 or tuple(out.shape[1:]) != (width, man.hidden_size):
-            raise BadInputError(
-                f"out must be [rows, {width}, {man.hidden_size}], got {tuple(out.shape)}",
-                path=str(self.path),
-            )
-        dequantize = man.scaled and out.dtype == fp8.DEQUANTIZED_DTYPE  # per sample, in _read
-        if not dequantize and (
-            out.dtype != man.torch_dtype or not out.is_contiguous() or out.device.type != "cpu"
-        ):
-            raise BadInputError(
-                f"out must be a contiguous CPU {man.dtype} tensor, got {out.dtype} on {out.device}",
-                path=str(self.path),
-            )
-        np_out = None if dequantize else storage_view(out)
+        values = self._check_out(out, layer_list, None, values_ok=True)
+        np_out = None if values else storage_view(out)
         done = 0
         for i, first in placed:
-            i = self._check_position(i)
+            i = self._index.position(i)
             n = int(self._index.len[i])
             if not 0 <= first <= out.shape[0] - n:  # a slice would silently shrink
                 raise BadInputError(
@@ -547,7 +320,7 @@ class Dataset:
                     path=str(self.path),
                 )
             if np_out is None:
-                self._read(i, layer_list, out[first : first + n], values_out_ok=True)
+                self._read_into(i, layer_list, out[first : first + n], values)
             else:
                 self._decode(i, layer_list, np_out[first : first + n], columns=False)
             done += 1
@@ -557,58 +330,82 @@ class Dataset:
         self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None
     ) -> Sample:
         """Sample ``i`` in storage order; ``layers`` picks stored layers by position."""
-        i = self._check_position(i)
+        i = self._index.position(i)
         layer_list = self._check_layers(layers)
-        ids, mask, scales, hidden = self._read(i, layer_list, out, threads=self.read_threads)
+        man, n = self.manifest, int(self._index.len[i])
+        if out is None:
+            width = man.num_layers if layer_list is None else len(layer_list)
+            out = torch.empty((n, width, man.hidden_size), dtype=man.torch_dtype)
+        else:
+            self._check_out(out, layer_list, n, values_ok=False)
+        ids, mask, scales = self._read_into(
+            i, layer_list, out, False, threads=self.read_threads, columns=True
+        )
         return Sample(
             sample_id=self.sample_ids[i],
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(np.int64)),
-            hidden=hidden,
+            hidden=out,
             scales=None if scales is None else torch.from_numpy(scales.copy()),
         )
 
-    def _read(
+    def _check_out(
+        self, out: torch.Tensor, layers: list[int] | None, rows: int | None, *, values_ok: bool
+    ) -> bool:
+        """Check a caller's ``out`` for a read of these layers: [rows, layers, H] (``rows``
+        None: any number, for a batch), contiguous on the CPU, of the dataset's dtype or, where
+        ``values_ok`` and the dataset is fp8, of the dtype its values dequantize to. Returns
+        whether ``out`` takes dequantized values."""
+        man = self.manifest
+        width = man.num_layers if layers is None else len(layers)
+        shape = ("rows" if rows is None else rows, width, man.hidden_size)
+        if (
+            out.dim() != 3
+            or tuple(out.shape[1:]) != shape[1:]
+            or out.shape[0] != (rows or 0)
+            and rows is not None
+        ):
+            shown = ", ".join(str(x) for x in shape)
+            raise BadInputError(
+                f"out must be [{shown}], got shape {tuple(out.shape)}", path=str(self.path)
+            )
+        values = values_ok and man.scaled and out.dtype == fp8.DEQUANTIZED_DTYPE
+        if (
+            not (values or out.dtype == man.torch_dtype)
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise BadInputError(
+                f"out must be a contiguous CPU {man.dtype} tensor, got {out.dtype} on {out.device}",
+                path=str(self.path),
+            )
+        return values
+
+    def _read_into(
         self,
         i: int,
         layers: list[int] | None,
-        out: torch.Tensor | None,
+        out: torch.Tensor,
+        values: bool,
         *,
-        values_out_ok: bool = False,
         threads: int = 1,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, torch.Tensor]:
-        width = self.manifest.num_layers if layers is None else len(layers)
-        shape = (int(self._index.len[i]), width, self.manifest.hidden_size)
-        values_out = None  # a bf16 `out` of an fp8 dataset: decode, then dequantize into it
-        if (
-            values_out_ok
-            and out is not None
-            and self.manifest.scaled
-            and out.dtype == fp8.DEQUANTIZED_DTYPE
-            and tuple(out.shape) == shape
-            and out.is_contiguous()
-        ):
-            values_out, out = out, None
-        if out is None:
-            out = torch.empty(shape, dtype=self.manifest.torch_dtype)
-        elif (
-            tuple(out.shape) != shape
-            or out.dtype != self.manifest.torch_dtype
-            or not out.is_contiguous()
-        ):
-            raise BadInputError(
-                f"out must be a contiguous {self.manifest.dtype} tensor of shape {shape}, got "
-                f"{out.dtype} {tuple(out.shape)}",
-                path=str(self.path),
+        columns: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Decode sample ``i`` into ``out``, checked by `_check_out`; for an ``out`` that takes
+        ``values``, decode the fp8 states, then dequantize them into it."""
+        if not values:
+            ids, mask, scales = self._decode(
+                i, layers, storage_view(out), columns=columns, threads=threads
             )
+            return ids, mask, tiers.scales_for_layers(scales, layers)
+        stored = torch.empty(out.shape, dtype=self.manifest.torch_dtype)
         ids, mask, scales = self._decode(
-            i, layers, storage_view(out), columns=True, threads=threads
+            i, layers, storage_view(stored), columns=True, threads=threads
         )
+        assert scales is not None  # a dataset whose values dequantize has scales
         scales = tiers.scales_for_layers(scales, layers)
-        if values_out is not None:
-            fp8.dequantize(out, torch.from_numpy(scales.copy()), values_out.dtype, out=values_out)
-            out = values_out
-        return ids, mask, scales, out
+        fp8.dequantize(stored, torch.from_numpy(scales.copy()), out.dtype, out=out)
+        return ids, mask, scales
 
     def _decode(
         self,
@@ -635,10 +432,10 @@ class Dataset:
                 if self.manifest.scaled:
                     scales = reader.column(paths.SCALES)[row : row + n]
         except HsstoreError as exc:
-            cls = IntegrityError if _is_damage(exc) else StorageError
+            cls = IntegrityError if is_damage(exc) else StorageError
             raise cls(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
         except OSError as exc:  # a committed file missing or unreadable
-            if not _is_damage(exc):
+            if not is_damage(exc):
                 raise
             raise IntegrityError(
                 f"cannot read a committed file ({exc.strerror or exc})",
@@ -668,7 +465,8 @@ class Dataset:
         lease_ttl_s: how long gc must see no heartbeat before it may judge this writer's
         segments dead (default 60 s, or ``$HSSTORE_LEASE_TTL``).
         """
-        return Writer(
+        self.refresh()
+        return _ViewWriter(
             self,
             segment_bytes=segment_bytes,
             encode_threads=encode_threads,
@@ -682,39 +480,18 @@ class Dataset:
 _NO_ROWS = np.empty(0, np.int64)
 
 
-def _is_damage(exc: BaseException) -> bool:
-    """Whether a failed read shows damage to committed files (missing, truncated, a FIFO where
-    a file belongs, bytes failing their checksum), rather than a storage that failed to answer
-    (a network error, an I/O error), which a later read may get past: only damage makes a
-    segment unreadable or a sample's read an IntegrityError."""
-    if isinstance(exc, HsstoreError):
-        return not isinstance(exc, StorageError)
-    return isinstance(
-        exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-    )
+class _ViewWriter(Writer):
+    """A writer whose commits move the view it was made from to the version they publish."""
 
+    def __init__(self, ds: Dataset, **options: Any):
+        super().__init__(ds.storage, ds.manifest, ds.sample_ids, **options)
+        self._view = ds
 
-def _file_intact(reader: SegmentReader, relpath: str) -> bool:
-    """Whether a committed file reads with the size and crc32c the manifest recorded."""
-    try:
-        reader.read_small(relpath)
-    except (HsstoreError, OSError):
-        return False
-    return True
-
-
-class _JoinedIndex:
-    """The sample index of every segment, joined (built on first use after each refresh)."""
-
-    def __init__(self, tables: list[pa.Table]):
-        parts = [
-            t.append_column("segment", pa.array(np.full(t.num_rows, k, np.int32)))
-            for k, t in enumerate(tables)
-        ]
-        empty = INDEX_SCHEMA.empty_table().append_column("segment", pa.array([], pa.int32()))
-        self.table: pa.Table = pa.concat_tables(parts) if parts else empty
-        self.segment = self.table.column("segment").to_numpy()
-        self.row = self.table.column("row_offset").to_numpy()
-        self.len = self.table.column("num_tokens").to_numpy()
-        self.checksum = self.table.column("checksum").to_numpy()
-        self.num_samples = int(self.len.shape[0])
+    def commit(self) -> Manifest | None:
+        published = super().commit()
+        if published is not None:
+            # Published: from here on nothing may turn the commit into an error. A view that
+            # cannot load now (a failed read) is refreshed again on its next use.
+            with contextlib.suppress(HsstoreError, OSError):
+                self._view.refresh(to=published)
+        return published

@@ -28,6 +28,7 @@ from hsstore.format.locations import open_storage
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
 from hsstore.segment import SegmentReader
+from hsstore.segment_check import check_shard
 
 
 @dataclass
@@ -370,7 +371,7 @@ def _check_segment_files(
         report.files_checked += 1
         shard = paths.shard_of(relpath)
         if shard is not None:
-            found = reader.check_shard(shard)
+            found = check_shard(reader, shard)
             tick(found.nbytes)
             where = reader.where(relpath)
             if found.error is not None:

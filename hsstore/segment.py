@@ -12,26 +12,21 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
-import zstandard
 
-from hsstore.codecs import ChunkCodec, check_crc, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
-from hsstore.format import paths, tiers, zarr_meta
+from hsstore.format import paths, tiers
+from hsstore.format.codecs import ChunkCodec, crc32c
 from hsstore.format.damage import read_io
 from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
+from hsstore.format.segment_layout import CRC_BYTES, ShardIndex, decode_column
 from hsstore.format.store import Storage
-from hsstore.read_ahead import ColdChunks, chunk_ranges
-
-# Decode buffers are per thread and shared by every segment reader, so a reading thread holds
-# about two chunks of scratch however many segments it has touched.
-_THREAD_SCRATCH = threading.local()
+from hsstore.segment_rows import RowsRead, read_raw_rows
 
 # A sample's read is split between threads only where each share decodes at least this much:
 # handing a share to a pool thread costs tens of microseconds, a MiB decodes in about 0.5 ms.
@@ -72,28 +67,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_READ_POOL.forget)
 
 
-@dataclass
-class ChunkProblem:
-    chunk: tuple[int, int]  # (row chunk within the segment, layer chunk)
-    rows: tuple[int, int]  # the segment rows [lo, hi) it holds
-    reason: str
-
-
-@dataclass
-class ShardCheck:
-    """What `SegmentReader.check_shard` found in one shard file."""
-
-    shard: int
-    rows: tuple[int, int]  # the segment rows [lo, hi) the shard holds
-    nbytes: int = 0  # bytes read
-    error: str | None = None  # the whole shard is unusable (missing, truncated, bad index)
-    chunks: list[ChunkProblem] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.chunks
-
-
 class SegmentReader:
     """Reads rows of one committed segment; thread-safe, buffers reused per thread."""
 
@@ -101,21 +74,21 @@ class SegmentReader:
         self.storage = storage
         self.manifest = manifest
         self.info = info
-        self._codec = ChunkCodec(manifest.codec, manifest.storage_dtype.itemsize)
+        self.codec = ChunkCodec(manifest.codec, manifest.storage_dtype.itemsize)
         self._shard_indexes: dict[int, np.ndarray] = {}
         self._columns: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         layout = manifest.layout
-        self._n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
-        self._row_bytes_chunk = (
+        self.n_layer_chunks = manifest.num_layers // layout.layers_per_chunk
+        self.row_bytes_chunk = (
             layout.layers_per_chunk * manifest.hidden_size * manifest.storage_dtype.itemsize
         )
 
-    def _key(self, relpath: str) -> str:
+    def key(self, relpath: str) -> str:
         return paths.segment_file(self.info.id, relpath)
 
     def where(self, relpath: str) -> str:
-        return self.storage.path_of(self._key(relpath))
+        return self.storage.path_of(self.key(relpath))
 
     def read_small(self, relpath: str) -> bytes:
         """A small file, checked against the size and crc32c the manifest recorded."""
@@ -124,7 +97,7 @@ class SegmentReader:
         if expected is None:
             raise FormatError("file is not listed in the manifest", path=where)
         try:
-            data = read_io(self.storage.read_bytes, self._key(relpath))
+            data = read_io(self.storage.read_bytes, self.key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed file is missing", path=where) from exc
         if len(data) != expected.size:
@@ -178,7 +151,7 @@ class SegmentReader:
         """The sample ids a damaged index still yields (its sample_id column, if that part
         decodes), so a report can name what the damage affects; [] when nothing is readable."""
         try:
-            data = read_io(self.storage.read_bytes, self._key(paths.INDEX))
+            data = read_io(self.storage.read_bytes, self.key(paths.INDEX))
             with pq.ParquetFile(pa.BufferReader(data)) as index_file:
                 column = index_file.read(columns=["sample_id"], use_threads=False)
             return [str(x) for x in column.column("sample_id").to_pylist()]
@@ -194,15 +167,8 @@ class SegmentReader:
         if arr is not None:
             return arr
         relpath = paths.column_relpath(name)
-        body = check_crc(memoryview(self.read_small(relpath)), what=self.where(relpath))
         dtype = np.dtype(self.manifest.columns[name]).newbyteorder("<")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(bytes(body))
-        except zstandard.ZstdError as exc:
-            raise IntegrityError(
-                f"column does not decode: {exc}", path=self.where(relpath)
-            ) from exc
-        arr = np.frombuffer(raw, dtype=dtype)
+        arr = decode_column(self.read_small(relpath), dtype, where=self.where(relpath))
         if name == paths.SCALES:
             arr = tiers.shape_scales(arr, self.manifest.tier, self.manifest.num_layers)
         if arr.shape[0] != self.info.num_rows:
@@ -213,7 +179,7 @@ class SegmentReader:
         self._columns[name] = arr
         return arr
 
-    def shard_index(self, shard: int) -> np.ndarray:
+    def shard_index(self, shard: int) -> ShardIndex:
         idx = self._shard_indexes.get(shard)
         if idx is not None:
             return idx
@@ -224,23 +190,22 @@ class SegmentReader:
                 self._shard_indexes[shard] = idx
         return idx
 
-    def _load_shard_index(self, shard: int) -> np.ndarray:
+    def _load_shard_index(self, shard: int) -> ShardIndex:
         relpath = paths.shard_relpath(shard)
-        where = self.where(relpath)
-        size = self._shard_size(shard)
-        nbytes = self._index_nbytes
-        buf = bytearray(nbytes)
-        got = read_io(self.storage.read_into, self._key(relpath), size - nbytes, memoryview(buf))
-        if got != nbytes:
-            raise IntegrityError("shard index is truncated", path=where)
-        return self._parse_shard_index(memoryview(buf), size - nbytes, where)
+        size = self.shard_size(shard)
+        nbytes = self.index_nbytes
+        buf = memoryview(bytearray(nbytes))
+        key, ranges = self.key(relpath), [(size - nbytes, nbytes)]
+        (got,) = read_io(lambda: list(self.storage.read_ranges(key, ranges, [buf])))
+        if len(got) != nbytes:
+            raise IntegrityError("shard index is truncated", path=self.where(relpath))
+        return self.parse_shard_index(buf, size - nbytes, self.where(relpath))
 
     @property
-    def _index_nbytes(self) -> int:
-        n_chunks = self.manifest.layout.chunks_per_shard * self._n_layer_chunks
-        return zarr_meta.shard_index_nbytes(n_chunks)
+    def index_nbytes(self) -> int:
+        return ShardIndex.nbytes(self.manifest.layout.chunks_per_shard, self.n_layer_chunks)
 
-    def _shard_size(self, shard: int) -> int:
+    def shard_size(self, shard: int) -> int:
         """The shard's size on storage, checked against the manifest."""
         relpath = paths.shard_relpath(shard)
         where = self.where(relpath)
@@ -248,7 +213,7 @@ class SegmentReader:
         if expected is None:
             raise IntegrityError(f"shard {shard} is not listed in the manifest", path=where)
         try:
-            size = read_io(self.storage.size, self._key(relpath))
+            size = read_io(self.storage.size, self.key(relpath))
         except FileNotFoundError as exc:
             raise IntegrityError("committed shard file is missing", path=where) from exc
         except FormatError as exc:  # a FIFO or device where the shard belongs
@@ -257,78 +222,20 @@ class SegmentReader:
             raise IntegrityError(
                 f"shard has {size} bytes, manifest says {expected.size} (truncated?)", path=where
             )
-        if size < self._index_nbytes:
+        if size < self.index_nbytes:
             raise IntegrityError("shard is shorter than its index", path=where)
         return size
 
-    def _parse_shard_index(self, raw: memoryview, data_end: int, where: str) -> np.ndarray:
-        body = check_crc(raw, what=f"{where} (shard index)")
-        idx = np.frombuffer(body, dtype="<u8").reshape(
-            self.manifest.layout.chunks_per_shard, self._n_layer_chunks, 2
+    def parse_shard_index(self, raw: memoryview, data_end: int, where: str) -> ShardIndex:
+        compressed = self.manifest.codec.compressed
+        return ShardIndex.decode(
+            raw,
+            data_end,
+            chunks_per_shard=self.manifest.layout.chunks_per_shard,
+            layer_chunks=self.n_layer_chunks,
+            raw_chunk_nbytes=None if compressed else self.manifest.chunk_nbytes + CRC_BYTES,
+            where=where,
         )
-        present = idx[:, :, 0] != zarr_meta.EMPTY
-        if np.any(idx[present][:, 0] + idx[present][:, 1] > data_end):
-            raise IntegrityError("shard index points past the end of the data", path=where)
-        if not self.manifest.codec.compressed:
-            # Raw chunks are read row by row at computed offsets: their size must be exact.
-            raw_size = self.manifest.chunk_nbytes + 4
-            if np.any(idx[present][:, 1] != raw_size):
-                raise IntegrityError(
-                    f"shard index lists a raw chunk that is not {raw_size} bytes", path=where
-                )
-        return idx
-
-    def check_shard(self, shard: int) -> ShardCheck:
-        """Re-read one whole shard: its size, index, and every chunk's crc32c and decoded size.
-        Never raises for damage; the result names the rows each problem affects."""
-        layout = self.manifest.layout
-        lo = shard * layout.rows_per_shard
-        report = ShardCheck(shard, (lo, min(lo + layout.rows_per_shard, self.info.num_rows)))
-        relpath = paths.shard_relpath(shard)
-        where = self.where(relpath)
-        try:
-            size = self._shard_size(shard)
-            data = memoryview(read_io(self.storage.read_bytes, self._key(relpath)))
-            report.nbytes = len(data)
-            if len(data) != size:
-                raise IntegrityError("shard changed size while being read", path=where)
-            idx = self._parse_shard_index(
-                data[size - self._index_nbytes :], size - self._index_nbytes, where
-            )
-        except IntegrityError as exc:
-            report.error = exc.message
-            return report
-        except OSError as exc:  # unreadable (permissions, I/O error): damage all the same
-            report.error = f"cannot read shard ({exc.strerror or exc})"
-            return report
-        rpc = layout.rows_per_chunk
-        for local in range(layout.chunks_per_shard):
-            c = shard * layout.chunks_per_shard + local
-            rows = (c * rpc, min((c + 1) * rpc, self.info.num_rows))
-            for j in range(self._n_layer_chunks):
-                offset, nbytes = (int(v) for v in idx[local, j])
-                if offset == zarr_meta.EMPTY:
-                    if rows[0] < rows[1]:
-                        report.chunks.append(
-                            ChunkProblem((c, j), rows, "chunk of committed rows is missing")
-                        )
-                    continue
-                try:
-                    self._codec.check(
-                        data[offset : offset + nbytes], self.manifest.chunk_nbytes, what=where
-                    )
-                except HsstoreError as exc:
-                    report.chunks.append(ChunkProblem((c, j), rows, exc.message))
-        return report
-
-    def _scratch(self, name: str, nbytes: int) -> memoryview:
-        bufs = getattr(_THREAD_SCRATCH, "bufs", None)
-        if bufs is None:
-            bufs = _THREAD_SCRATCH.bufs = {}
-        buf = bufs.get(name)
-        if buf is None or len(buf) < nbytes:
-            buf = bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return memoryview(buf)[:nbytes]
 
     def read_rows(
         self,
@@ -358,16 +265,11 @@ class SegmentReader:
         rpc, lpc, cps = layout.rows_per_chunk, layout.layers_per_chunk, layout.chunks_per_shard
         all_layers = layers is None or list(layers) == list(range(man.num_layers))
         whole_rows = all_layers and lpc == man.num_layers
-        chunk_nbytes = rpc * self._row_bytes_chunk
-        wanted = range(man.num_layers) if layers is None else layers
-        by_chunk: dict[int, list[tuple[int, int]]] = {}
-        for pos, layer in enumerate(wanted):
-            by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
         if hasher is not None and not all_layers:
             raise FormatError("a sample checksum covers all layers")
         if whole_rows and not man.codec.compressed:
-            self._read_raw_rows(start, stop, out_bytes, hasher)
+            read_raw_rows(self, start, stop, out_bytes, hasher)
             return
         if crc is None:
             crc = hasher is None
@@ -376,86 +278,16 @@ class SegmentReader:
             if len(shares) > 1:
                 self._read_shares(shares, out, out_bytes, hasher, crc)
                 return
-
-        # Per-chunk work is kept to the decode itself: shard state is looked up once per shard,
-        # and the location string of a chunk is only built for an error.
-        flat = out_bytes.reshape(-1)
-        rb = out_bytes.shape[1]
-        coalesce = self.storage.coalesce_bytes
-        last = (stop - 1) // rpc
-        fetched: dict[tuple[int, int], memoryview] = {}
-        shard, key = -1, ""
-        span: tuple[int, int] | None = None  # the bytes read from the current shard's map
-        cold: ColdChunks | None = None
-        for c in range(start // rpc, last + 1):
-            crow0 = c * rpc
-            lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-            if c // cps != shard:
-                self._unmap(key, span)
-                shard, span = c // cps, None
-                idx = self.shard_index(shard)
-                key = self._key(paths.shard_relpath(shard))
-                where = self.storage.path_of(key)
-                mapped = None if coalesce else self.storage.map(key)
-                cold = None
-                if mapped is not None and self.storage.reads_ahead:
-                    end = min(last, (shard + 1) * cps - 1)
-                    cold = ColdChunks.start(
-                        self.storage,
-                        key,
-                        mapped,
-                        idx[c - shard * cps : end - shard * cps + 1],
-                        c,
-                        list(by_chunk),
-                    )
-            if cold is not None:
-                cold.arrive(c)
-            if coalesce and not any((c, j) in fetched for j in by_chunk):
-                fetched = self._fetch_chunks(c, last, list(by_chunk))
-            for j, positions in by_chunk.items():
-                offset, nbytes = idx[c - shard * cps, j].tolist()
-                if offset == zarr_meta.EMPTY:
-                    raise IntegrityError(
-                        f"chunk ({c}, {j}) of committed rows is missing", path=where
-                    )
-                whole = whole_rows and lo == crow0 and hi == crow0 + rpc
-                # A chunk cut by a sample boundary is usually needed again by the neighbouring
-                # sample: the thread's scratch keeps the last one decoded (chunks never change),
-                # with whether its crc was checked (a read without a sample checksum needs that).
-                cached = getattr(_THREAD_SCRATCH, "decoded", None)
-                if whole or cached not in ((self, c, j, True), (self, c, j, crc)):
-                    encoded = fetched.get((c, j))
-                    if encoded is None:
-                        encoded = self._read_chunk(key, mapped, offset, nbytes)
-                        if mapped is not None:
-                            first, end = span or (offset, offset + nbytes)
-                            span = (min(first, offset), max(end, offset + nbytes))
-                    if whole:
-                        dst = flat[(lo - start) * rb : (hi - start) * rb]
-                    else:
-                        _THREAD_SCRATCH.decoded = None
-                        dst = self._scratch("chunk", chunk_nbytes)
-                    try:
-                        # The sample checksum, when it is verified, covers the decoded bytes:
-                        # the chunk crc would check the same bytes a second time.
-                        self._codec.decode_into(encoded, dst, what=where, crc=crc)
-                    except IntegrityError as exc:
-                        raise IntegrityError(
-                            exc.message, path=f"{where} chunk ({c}, {j})"
-                        ) from None
-                    if whole:
-                        break  # whole_rows means a single layer chunk: the row loop ends here
-                    _THREAD_SCRATCH.decoded = (self, c, j, crc)
-                chunk = np.frombuffer(self._scratch("chunk", chunk_nbytes), man.storage_dtype)
-                rows = chunk.reshape(rpc, lpc, man.hidden_size)[lo - crow0 : hi - crow0]
-                if whole_rows:
-                    out[lo - start : hi - start] = rows
-                else:
-                    for pos, within in positions:
-                        out[lo - start : hi - start, pos] = rows[:, within]
-            if hasher is not None:
-                hasher.update(flat[(lo - start) * rb : (hi - start) * rb])
-        self._unmap(key, span)
+        wanted = range(man.num_layers) if layers is None else layers
+        by_chunk: dict[int, list[tuple[int, int]]] = {}
+        for pos, layer in enumerate(wanted):
+            by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
+        read = RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows)
+        c, last = start // rpc, (stop - 1) // rpc
+        while c <= last:  # shard by shard
+            end = min(last, (c // cps + 1) * cps - 1)
+            read.decode_chunks(c, end)
+            c = end + 1
 
     def will_read_rows(
         self, starts: np.ndarray, stops: np.ndarray, layers: Sequence[int] | None
@@ -463,7 +295,7 @@ class SegmentReader:
         """Rows [starts[k], stops[k]) of the given stored layers (None: all) are about to be
         read: hand the storage the bytes of their chunks, shard by shard, so that reads from
         disk are under way before the decoding gets to them (`Storage.will_read`)."""
-        if not self.storage.reads_ahead or not len(starts):
+        if not len(starts):
             return
         layout = self.manifest.layout
         rpc, lpc, cps = layout.rows_per_chunk, layout.layers_per_chunk, layout.chunks_per_shard
@@ -476,10 +308,10 @@ class SegmentReader:
         layer_chunks = sorted({layer // lpc for layer in wanted})
         for shard in np.unique(chunks // cps).tolist():
             in_shard = chunks[chunks // cps == shard] - shard * cps
-            key = self._key(paths.shard_relpath(shard))
+            key = self.key(paths.shard_relpath(shard))
             try:
                 self.storage.will_read(
-                    key, chunk_ranges(self.shard_index(shard)[in_shard], layer_chunks)
+                    key, self.shard_index(shard).byte_ranges(in_shard, layer_chunks)
                 )
             except (HsstoreError, OSError):
                 continue  # a hint fails nothing: the read that needs these bytes reports it
@@ -490,7 +322,7 @@ class SegmentReader:
         rpc = self.manifest.layout.rows_per_chunk
         first, last = start // rpc, (stop - 1) // rpc
         n = last - first + 1
-        k = min(threads, n, (stop - start) * self._row_bytes_chunk // PARALLEL_MIN_BYTES)
+        k = min(threads, n, (stop - start) * self.row_bytes_chunk // PARALLEL_MIN_BYTES)
         if k < 2:
             return [(start, stop)]
         bounds = [first + n * s // k for s in range(k + 1)]
@@ -531,128 +363,3 @@ class SegmentReader:
                 pending.cancel()
             # (a cancelled share counts as done only once a pool thread has dropped it)
             wait([share for share in futures if not share.cancelled()])
-
-    def _unmap(self, key: str, span: tuple[int, int] | None) -> None:
-        """Release the pages of a shard's map this read used (`Storage.unmap`): a reader's
-        resident memory stays its buffers, not every shard it has read."""
-        if span is not None:
-            self.storage.unmap(key, span[0], span[1] - span[0])
-
-    def _fetch_chunks(
-        self, first: int, last: int, layer_chunks: list[int]
-    ) -> dict[tuple[int, int], memoryview]:
-        """The encoded bytes of chunks (c, j) for c from ``first`` on (same shard, up to
-        ``last``, at most `Storage.coalesce_bytes` in all; at least chunk ``first``), fetched
-        as one request per run of chunks that lie back to back in the shard, all requests in
-        one storage call so a remote backend has them in flight together. A chunk this
-        thread already holds decoded, or one missing from the index, is left out (the caller
-        reuses the first and reports the second)."""
-        cps = self.manifest.layout.chunks_per_shard
-        shard = first // cps
-        idx = self.shard_index(shard)
-        key = self._key(paths.shard_relpath(shard))
-        wanted: list[tuple[int, int, int, int]] = []  # (offset, nbytes, c, j)
-        total = 0
-        for c in range(first, min(last, (shard + 1) * cps - 1) + 1):
-            row = [(int(idx[c % cps, j][0]), int(idx[c % cps, j][1]), c, j) for j in layer_chunks]
-            size = sum(n for o, n, _, _ in row if o != zarr_meta.EMPTY)
-            if c > first and total + size > self.storage.coalesce_bytes:
-                break
-            total += size
-            decoded = getattr(_THREAD_SCRATCH, "decoded", None)
-            wanted += [
-                e
-                for e in row
-                if e[0] != zarr_meta.EMPTY and (decoded or ())[:3] != (self, e[2], e[3])
-            ]
-        wanted.sort()
-        runs: list[list[tuple[int, int, int, int]]] = []
-        for entry in wanted:
-            if runs and runs[-1][-1][0] + runs[-1][-1][1] == entry[0]:
-                runs[-1].append(entry)
-            else:
-                runs.append([entry])
-        buf = self._scratch("run", sum(n for _, n, _, _ in wanted))
-        requests, at = [], 0
-        for run in runs:
-            length = sum(n for _, n, _, _ in run)
-            requests.append((run[0][0], buf[at : at + length]))
-            at += length
-        got = read_io(self.storage.read_ranges_into, key, requests)
-        if got != [len(b) for _, b in requests]:
-            raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-        fetched: dict[tuple[int, int], memoryview] = {}
-        for (_, run_buf), run in zip(requests, runs, strict=True):
-            pos = 0
-            for _, nbytes, c, j in run:
-                fetched[(c, j)] = run_buf[pos : pos + nbytes]
-                pos += nbytes
-        return fetched
-
-    def _read_chunk(
-        self, key: str, mapped: memoryview | None, offset: int, nbytes: int
-    ) -> memoryview:
-        """The encoded bytes of one chunk: a view of the shard where the storage maps it
-        (``mapped``, no copy), else read into this thread's scratch."""
-        if mapped is not None:
-            if len(mapped) < offset + nbytes:
-                raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-            return mapped[offset : offset + nbytes]
-        encoded = self._scratch("enc", nbytes)
-        if read_io(self.storage.read_into, key, offset, encoded) != nbytes:
-            raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-        return encoded
-
-    def _read_raw_rows(
-        self, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
-    ) -> None:
-        """Uncompressed, all layers: the wanted rows of consecutive chunks sit back to back in
-        the shard, separated only by each chunk's 4-byte crc32c, so a whole run of chunks is one
-        scatter read straight into ``out`` (crc bytes go to a junk buffer). The whole-sample
-        checksum verifies the bytes, since a partial chunk cannot be checked against its crc.
-        """
-        layout = self.manifest.layout
-        rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, self._row_bytes_chunk
-        junk = self._scratch("junk", 64)
-        # Runs stay a few MiB so the checksum reads them back from cache, unless the storage
-        # wants longer requests (one round trip each on an object store).
-        run_cap = max(4 << 20, self.storage.coalesce_bytes)
-        if (stop - start) * rb > run_cap:  # several reads: have them all coming from disk at once
-            self.will_read_rows(np.array([start]), np.array([stop]), None)
-        c, last = start // rpc, (stop - 1) // rpc
-        run_lo = 0
-        while c <= last:
-            shard = c // cps
-            idx = self.shard_index(shard)
-            key = self._key(paths.shard_relpath(shard))
-            run: list[memoryview] = []
-            run_start = prev_end = -1
-            run_rows = 0
-            while c <= last and c // cps == shard and len(run) < 1000 and run_rows * rb < run_cap:
-                offset, nbytes = (int(v) for v in idx[c % cps, 0])
-                if offset == zarr_meta.EMPTY:
-                    raise IntegrityError(
-                        f"chunk ({c}, 0) of committed rows is missing",
-                        path=self.storage.path_of(key),
-                    )
-                crow0 = c * rpc
-                lo, hi = max(start, crow0), min(stop, crow0 + rpc)
-                file_start = offset + (lo - crow0) * rb
-                if run:
-                    gap = file_start - prev_end
-                    if not 0 <= gap <= len(junk):
-                        break
-                    if gap:
-                        run.append(junk[:gap])
-                else:
-                    run_start = file_start
-                run.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
-                if not run_rows:
-                    run_lo = lo
-                run_rows += hi - lo
-                prev_end = file_start + (hi - lo) * rb
-                c += 1
-            if read_io(self.storage.read_scatter, key, run_start, run) != prev_end - run_start:
-                raise IntegrityError("shard is truncated", path=self.storage.path_of(key))
-            if hasher is not None:
-                hasher.update(out_bytes[run_lo - start : run_lo - start + run_rows])

@@ -20,14 +20,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import zstandard
 
 from hsstore import fp8
-from hsstore.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError
 from hsstore.format import paths, tiers, zarr_meta
+from hsstore.format.codecs import ChunkCodec, crc32c
 from hsstore.format.manifest import FileInfo, Manifest, SegmentInfo, now_iso
-from hsstore.format.sample_index import COLUMN_ZSTD_LEVEL, INDEX_SCHEMA, sample_checksum
+from hsstore.format.sample_index import INDEX_SCHEMA, sample_checksum
+from hsstore.format.segment_layout import COLUMN_ZSTD_LEVEL, ShardIndex, encode_column
 from hsstore.format.store import Storage
 from hsstore.stats import RowFlags, StatsAccumulator
 
@@ -252,15 +252,13 @@ class SegmentWriter:
         # may live in the chunk's own (warm) memory.
         encode = functools.partial(self._codec.encode, reuse_input=True)
         encoded = self.flusher.map(encode, pieces)
-        index = np.full((layout.chunks_per_shard, n_layer_chunks, 1, 2), zarr_meta.EMPTY, "<u8")
-        offset = 0
-        flat = index.reshape(-1, 2)
-        for k, parts in enumerate(encoded):
-            nbytes = sum(len(p) for p in parts)
-            flat[k] = (offset, nbytes)
-            offset += nbytes
+        index = ShardIndex.of_sizes(
+            [sum(len(p) for p in parts) for parts in encoded],
+            layout.chunks_per_shard,
+            n_layer_chunks,
+        )
         relpath = paths.shard_relpath(shard)
-        blobs = [p for parts in encoded for p in parts] + zarr_meta.encode_shard_index(index)
+        blobs = [p for parts in encoded for p in parts] + index.encode()
         size = self.storage.write_file(paths.segment_file(self.segment_id, relpath), blobs)
         self._files[relpath] = FileInfo(size)
         self.bytes_written += size
@@ -295,7 +293,6 @@ class SegmentWriter:
         for name, parts in columns.items():
             dtype = np.dtype(man.columns[name]).newbyteorder("<")
             data = np.concatenate(parts).astype(dtype, copy=False)
-            body = zstandard.ZstdCompressor(level=COLUMN_ZSTD_LEVEL).compress(data.tobytes())
             small[f"{name}/zarr.json"] = zarr_meta.column_array_json(
                 num_rows=self.rows,
                 dtype=dtype,
@@ -304,7 +301,7 @@ class SegmentWriter:
                 if name == paths.SCALES
                 else None,
             )
-            small[paths.column_relpath(name)] = body + crc32c(body).to_bytes(4, "little")
+            small[paths.column_relpath(name)] = encode_column(data)
         for relpath, data in small.items():
             self.storage.write_file(paths.segment_file(self.segment_id, relpath), [data])
             self._files[relpath] = FileInfo(len(data), crc32c(data))

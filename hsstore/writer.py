@@ -6,9 +6,9 @@ import contextlib
 import os
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,34 +25,17 @@ from hsstore.format import commit, history, paths, tiers
 from hsstore.format.dtypes import storage_view
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Delta, Manifest, SegmentInfo
+from hsstore.format.store import Storage
+from hsstore.sample_input import check_sample, check_scales, shorten, text_problem
 from hsstore.segment import SegmentReader
 from hsstore.segment_writer import SegmentWriter, ShardFlusher
 
-if TYPE_CHECKING:  # the Dataset makes its writers (ds.writer()); a writer only uses its view
-    from hsstore.dataset import Dataset
-
-# Sample ids and source names are stored as UTF-8 in every segment index; one that cannot be
-# encoded would fail every commit of the writer that accepted it, so add() refuses it.
-MAX_TEXT_BYTES = 4096
-
-
-def _text_problem(text: str) -> str | None:
-    """Why ``text`` cannot be stored as a sample id or source name, or None."""
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        return f"is not valid Unicode (lone surrogate at position {exc.start}), so not UTF-8"
-    if size > MAX_TEXT_BYTES:
-        return f"is {size} bytes of UTF-8, more than {MAX_TEXT_BYTES}"
-    return None
-
-
-def _shorten(text: str) -> str:
-    return repr(text) if len(text) <= 80 else repr(text[:80]) + "..."
-
 
 class Writer:
-    """Appends samples to a dataset; ``commit()`` publishes them atomically.
+    """Appends samples to a dataset; ``commit()`` publishes them atomically and returns the
+    version it published. Works on the dataset's ``storage`` from ``manifest`` (the version it
+    appends to), refusing the ``committed_ids`` already in it; `Dataset.writer` makes one for a
+    view and moves the view to each version it publishes.
 
     Used as a context manager it commits on a clean exit and publishes nothing when the block
     raises. Several writers (threads or processes) may append to one dataset at once; each owns
@@ -62,16 +45,16 @@ class Writer:
 
     def __init__(
         self,
-        ds: Dataset,
+        storage: Storage,
+        manifest: Manifest,
+        committed_ids: Iterable[str],
         *,
-        segment_bytes: int,
-        encode_threads: int | None,
+        segment_bytes: int = 2 << 30,
+        encode_threads: int | None = None,
         lease_ttl_s: float = DEFAULT_TTL_S,
     ):
-        self.ds = ds
-        ds.refresh()
-        self.storage = ds.storage
-        self.manifest = ds.manifest
+        self.storage = storage
+        self.manifest = manifest
         self.segment_bytes = segment_bytes
         self._flusher = ShardFlusher(
             (
@@ -82,8 +65,8 @@ class Writer:
             self.manifest.storage_dtype,
             encode_threads or os.cpu_count() or 1,
         )
-        self._known_segments = {s.id for s in ds.manifest.segments}
-        self._committed_ids = set(ds.sample_ids)
+        self._known_segments = {s.id for s in manifest.segments}
+        self._committed_ids = set(committed_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
         # A lease per segment this writer is filling, refreshed until it is committed; gc never
@@ -121,36 +104,38 @@ class Writer:
         ([T], or [T, 1, 1] as hs-connectors writes it); other datasets refuse them. A dataset of
         a lossy tier takes states of any float dtype and stores them in its tier."""
         if self._closed:
-            raise ConflictError("writer is closed", path=str(self.ds.path))
-        where = str(self.ds.path)
+            raise ConflictError("writer is closed", path=self.storage.root)
+        where = self.storage.root
         if not isinstance(sample_id, str) or not sample_id:
             raise BadInputError(
                 f"sample id must be a non-empty string, got {sample_id!r}",
                 path=source if isinstance(source, str) else where,
             )
-        problem = _text_problem(sample_id)
+        problem = text_problem(sample_id)
         if problem:
-            raise BadInputError(f"sample id {_shorten(sample_id)} {problem}", path=where)
+            raise BadInputError(f"sample id {shorten(sample_id)} {problem}", path=where)
         if source is not None and not isinstance(source, str):
             raise BadInputError(
                 f"source must be a string or None, got {type(source).__name__}",
                 path=where,
                 sample_id=sample_id,
             )
-        problem = _text_problem(source) if source is not None else None
+        problem = text_problem(source) if source is not None else None
         if problem:
             raise BadInputError(
-                f"source {_shorten(source)} {problem}", path=where, sample_id=sample_id
+                f"source {shorten(source)} {problem}", path=where, sample_id=sample_id
             )
         if sample_id in self._committed_ids or sample_id in self._new_ids:
             raise DuplicateSampleError(
-                "sample id is already in the dataset", path=str(self.ds.path), sample_id=sample_id
+                "sample id is already in the dataset", path=self.storage.root, sample_id=sample_id
             )
         hidden, scales = tiers.prepare(
             self.manifest.tier, hidden, scales, where=source or where, sample_id=sample_id
         )
-        hid, ids, mask = self._validate(sample_id, input_ids, loss_mask, hidden, source)
-        scale_column = self._validate_scales(sample_id, scales, hid.shape[0], source)
+        hid, ids, mask = check_sample(
+            self.manifest, where, sample_id, input_ids, loss_mask, hidden, source
+        )
+        scale_column = check_scales(self.manifest, where, sample_id, scales, hid.shape[0], source)
         if self._unresolved is not None:
             raise ConflictError(
                 "the last commit's outcome is not known yet: call commit() again first",
@@ -165,108 +150,7 @@ class Writer:
             raise self._segment_gone(exc) from None
         self._new_ids.add(sample_id)
         if self._segment.raw_bytes() >= self.segment_bytes:
-            self._finish_segment()
-
-    def _validate(
-        self,
-        sample_id: str,
-        input_ids: Any,
-        loss_mask: Any,
-        hidden: Any,
-        source: str | None,
-    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-        man = self.manifest
-        where = source or str(self.ds.path)
-
-        def bad(msg: str) -> BadInputError:
-            return BadInputError(msg, path=where, sample_id=sample_id)
-
-        if isinstance(hidden, np.ndarray):
-            hidden = torch.from_numpy(hidden)
-        if not isinstance(hidden, torch.Tensor):
-            raise bad(f"hidden must be a tensor, got {type(hidden).__name__}")
-        if hidden.dim() != 3:
-            raise bad(f"hidden must be [tokens, layers, hidden], got shape {tuple(hidden.shape)}")
-        t, n_layers, h = hidden.shape
-        if n_layers != man.num_layers or h != man.hidden_size:
-            raise bad(
-                f"hidden has {n_layers} layers x {h}, dataset stores {man.num_layers} x {man.hidden_size}"
-            )
-        if hidden.dtype != man.torch_dtype:
-            raise bad(
-                f"hidden is {hidden.dtype}, dataset stores {man.torch_dtype} (hsstore never casts silently)"
-            )
-        if t < 1:
-            raise bad("sample has no tokens")
-        hidden = hidden.detach().to("cpu").contiguous()
-        ids = torch.as_tensor(input_ids).detach().cpu()
-        mask = torch.as_tensor(loss_mask).detach().cpu()
-        if ids.dim() != 1 or ids.shape[0] != t:
-            raise bad(f"input_ids has shape {tuple(ids.shape)}, states have {t} tokens")
-        if mask.dim() != 1 or mask.shape[0] != t:
-            raise bad(f"loss_mask has shape {tuple(mask.shape)}, states have {t} tokens")
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise bad(f"input_ids must be integers, got {ids.dtype}")
-        if int(ids.min()) < 0 or int(ids.max()) >= 2**31:
-            raise bad("input_ids out of range [0, 2^31)")
-        if mask.dtype.is_floating_point:
-            raise bad(f"loss_mask must be integer or bool, got {mask.dtype}")
-        if mask.numel() and (int(mask.min()) < 0 or int(mask.max()) > 1):
-            raise bad("loss_mask must hold only 0 and 1")
-        return (
-            hidden,
-            ids.numpy().astype("<i4"),
-            mask.numpy().astype("<u1"),
-        )
-
-    def _validate_scales(
-        self, sample_id: str, scales: Any, num_tokens: int, source: str | None
-    ) -> np.ndarray | None:
-        """The per-token scales as a float32 [T] array, or None for an unscaled dtype."""
-        where = source or str(self.ds.path)
-        dtype = self.manifest.dtype
-        if not self.manifest.scaled:
-            if scales is not None:
-                raise BadInputError(
-                    f"scales given, but a {dtype} dataset stores no per-token scales",
-                    path=where,
-                    sample_id=sample_id,
-                )
-            return None
-        if scales is None:
-            raise BadInputError(
-                f"a {dtype} dataset needs the per-token scales of each sample (scales=)",
-                path=where,
-                sample_id=sample_id,
-            )
-        if isinstance(scales, np.ndarray):
-            scales = torch.from_numpy(scales)
-        if not isinstance(scales, torch.Tensor):
-            raise BadInputError(
-                f"scales must be a tensor, got {type(scales).__name__}",
-                path=where,
-                sample_id=sample_id,
-            )
-        shape = tuple(scales.shape)
-        width = tiers.scales_width(self.manifest.tier, self.manifest.num_layers)
-        if (
-            scales.dtype != torch.float32
-            or scales.numel() != num_tokens * (width or 1)
-            or (scales.dim() and shape[0] != num_tokens)
-        ):
-            raise BadInputError(
-                f"scales are {scales.dtype} {list(shape)}, expected float32 with one per token "
-                f"([{num_tokens}] or [{num_tokens}, 1, 1])",
-                path=where,
-                sample_id=sample_id,
-            )
-        flat = scales.detach().cpu().reshape(-1).contiguous()
-        if not bool(torch.all(torch.isfinite(flat) & (flat > 0))):
-            raise BadInputError(
-                "scales must be finite and positive", path=where, sample_id=sample_id
-            )
-        flat = flat if width is None else flat.reshape(num_tokens, width)
-        return flat.numpy().astype("<f4", copy=False)
+            self.flush()
 
     @property
     def bytes_written(self) -> int:
@@ -290,15 +174,19 @@ class Writer:
         self._held.append(seg_id)
         return SegmentWriter(self.storage, self.manifest, seg_id, self._flusher)
 
-    def _finish_segment(self) -> None:
-        if self._segment is not None:
-            try:
-                info = self._segment.finalize()
-            except FileNotFoundError as exc:
-                raise self._segment_gone(exc) from None
-            self._ids_of[info.id] = self._segment.sample_ids()
-            self._finished.append(info)
-            self._segment = None
+    def flush(self) -> SegmentInfo | None:
+        """Write out the segment being filled: its files all written and durable, not yet
+        published (the next `commit` publishes it). Returns it; None when none was open."""
+        if self._segment is None:
+            return None
+        try:
+            info = self._segment.finalize()
+        except FileNotFoundError as exc:
+            raise self._segment_gone(exc) from None
+        self._ids_of[info.id] = self._segment.sample_ids()
+        self._finished.append(info)
+        self._segment = None
+        return info
 
     # -- committing --------------------------------------------------------------------------
     def commit(self) -> Manifest | None:
@@ -310,7 +198,7 @@ class Writer:
         nothing is lost, and calling ``commit()`` again learns the outcome.
         """
         if self._unresolved is None:
-            self._finish_segment()
+            self.flush()
             if not self._finished and not self._skipped and not self._runs:
                 return None
             self._unresolved = (
@@ -342,7 +230,7 @@ class Writer:
                     raise DuplicateSampleError(
                         f"{len(clash)} sample id(s) were committed by another writer meanwhile "
                         f"(first: {sorted(clash)[0]!r}); nothing from this commit was published",
-                        path=str(self.ds.path),
+                        path=self.storage.root,
                         sample_id=sorted(clash)[0],
                     )
                 self._known_segments.add(seg.id)
@@ -396,10 +284,6 @@ class Writer:
         self.manifest = published
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
-        # Published: from here on nothing may turn the commit into an error. A view that
-        # cannot load now (a failed read) is refreshed again on its next use.
-        with contextlib.suppress(HsstoreError, OSError):
-            self.ds.refresh(to=published)
         return published
 
     def _damaged(self, mine: list[SegmentInfo]) -> set[str]:
@@ -436,7 +320,7 @@ class Writer:
         shown = ", ".join(repr(i) for i in ids[:5]) + (", ..." if len(ids) > 5 else "")
         return SegmentRemovedError(
             f"{what}: {len(ids)} sample(s) must be written again ({shown})",
-            path=str(self.ds.path),
+            path=self.storage.root,
             sample_ids=ids,
             published=published,
         )
@@ -459,7 +343,7 @@ class Writer:
             f"segment {seg_id} was removed while this writer was filling it (gc judged it "
             f"debris: a pause longer than the lease ttl, or gc with a short --grace): "
             f"{len(ids)} sample(s) not committed ({exc.filename})",
-            path=str(self.ds.path),
+            path=self.storage.root,
             sample_ids=ids,
         )
 

@@ -89,9 +89,7 @@ class FaultyStorage(Storage):
         self.inner = inner
         self.root = inner.root
         self.clock_resolution_s = inner.clock_resolution_s
-        self.coalesce_bytes = inner.coalesce_bytes
-        self.reads_ahead = inner.reads_ahead
-        self.fork_safe = inner.fork_safe
+        self.worker_start_method = inner.worker_start_method
         self.plan = plan
         self.tally = tally or Tally()
         self._n = 0
@@ -140,9 +138,13 @@ class FaultyStorage(Storage):
         return result
 
     read_bytes = _verb("read_bytes")
-    read_into = _verb("read_into")
-    read_scatter = _verb("read_scatter")
-    read_ranges_into = _verb("read_ranges_into")
+
+    def read_ranges(self, key: str, ranges: Any, into: Any = None) -> Iterator[memoryview]:
+        # Taken whole inside the call, so a fault lands where the request would fail.
+        return iter(
+            self._run("read_ranges", key, lambda: list(self.inner.read_ranges(key, ranges, into)))
+        )
+
     size = _verb("size")
     exists = _verb("exists")
 
@@ -165,9 +167,6 @@ class FaultyStorage(Storage):
     def sync(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         self._run("sync", keys[0] if keys else "", lambda: self.inner.sync(keys))
-
-    def map(self, key: str) -> memoryview | None:
-        return None  # every read goes through read_into, where faults can reach it
 
     def check_root(self) -> None:
         self.inner.check_root()

@@ -17,7 +17,8 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format.store import LocalStorage
+from hsstore.format import read_ahead
+from hsstore.format.local_store import LocalStorage
 from hsstore.loader import Loader
 from hsstore.loader.fetch import BatchFetcher
 from tools.synthetic import llm_like_states
@@ -83,9 +84,8 @@ def test_will_read_brings_exactly_the_ranges_into_the_page_cache(tmp_path):
         time.sleep(0.01)
     got = set(cached_pages(tmp_path / "shard"))
     assert not got & set(range((12 << 20) // PAGE, (16 << 20) // PAGE))  # nothing past them
-    buf = bytearray(100)
-    assert store.read_into("shard", 9 << 20, memoryview(buf)) == 100
-    assert bytes(buf) == data[9 << 20 : (9 << 20) + 100]
+    (got,) = store.read_ranges("shard", [(9 << 20, 100)])
+    assert bytes(got) == data[9 << 20 : (9 << 20) + 100]
 
 
 def test_will_read_leaves_cached_ranges_alone_and_takes_no_ranges(tmp_path):
@@ -93,8 +93,8 @@ def test_will_read_leaves_cached_ranges_alone_and_takes_no_ranges(tmp_path):
     store.write_file("f", [b"x" * 10000])
     store.will_read("f", [])
     store.will_read("f", [(0, 10000)])  # cached: probed, nothing else
-    out = bytearray(10000)
-    assert store.read_into("f", 0, memoryview(out)) == 10000 and bytes(out) == b"x" * 10000
+    out = memoryview(bytearray(10000))
+    assert [bytes(got) for got in store.read_ranges("f", [(0, 10000)], [out])] == [b"x" * 10000]
 
 
 @pytest.mark.parametrize("codec", ["split-zstd", "none"])
@@ -126,19 +126,21 @@ def test_a_cold_read_of_one_sample_reads_only_that_sample(tmp_path, codec):
     ds.close()
 
 
-class HintLog(LocalStorage):
-    """A local dataset directory that logs the read hints it is given (and acts on them)."""
+@pytest.fixture
+def hints(monkeypatch) -> list[tuple[int, int, int]]:
+    """The read hints this process gives the kernel, as (fd, offset, nbytes) (each still given)."""
+    given: list[tuple[int, int, int]] = []
+    advise = os.posix_fadvise
 
-    def __init__(self, root: Path):
-        super().__init__(root)
-        self.hints: list[tuple[str, list[tuple[int, int]], bool]] = []
+    def logged(fd: int, offset: int, nbytes: int, advice: int) -> None:
+        given.append((fd, offset, nbytes))
+        advise(fd, offset, nbytes, advice)
 
-    def will_read(self, key, ranges, *, unless_resident=True):
-        self.hints.append((key, list(ranges), unless_resident))
-        super().will_read(key, ranges, unless_resident=unless_resident)
+    monkeypatch.setattr(os, "posix_fadvise", logged)
+    return given
 
 
-def test_a_cold_compressed_read_asks_for_its_chunks_in_order_a_few_at_a_time(tmp_path):
+def test_a_cold_compressed_read_asks_for_its_chunks_in_order_a_few_at_a_time(tmp_path, hints):
     """Asked for all at once, a sample's chunks share the disk and arrive together, so the
     decoding waits for the last; asked in order, each arrives while an earlier one decodes.
     The first hint is the first chunk alone, each chunk is asked for once, and a warm read
@@ -151,45 +153,37 @@ def test_a_cold_compressed_read_asks_for_its_chunks_in_order_a_few_at_a_time(tmp
         for k, states in enumerate(samples):
             t = states.shape[0]
             w.add(f"s{k}", torch.arange(t), torch.ones(t, dtype=torch.int64), states)
-    store = HintLog(root)
-    ds = hsstore.open(store, read_threads=1)
+    ds = hsstore.open(root, read_threads=1)
     reader = ds.segment_reader(0)
     rpc = reader.manifest.layout.rows_per_chunk
     first, last = 704 // rpc, (1604 - 1) // rpc  # sample 1's row chunks
     assert 704 % rpc == 0 and last - first >= 3 and last < reader.manifest.layout.chunks_per_shard
     index = reader.shard_index(0)
-    wanted = [(int(index[c, 0, 0]), int(index[c, 0, 1])) for c in range(first, last + 1)]
+    wanted = [index.chunk(c, 0) for c in range(first, last + 1)]
+    assert all(nbytes < 1 << 20 for _, nbytes in wanted)  # one hint piece each
     ds.read(0)  # loads the shard index
     ds.close()
     shard = next(p for p in root.rglob("*") if p.is_file() and "/states/c/" in p.as_posix())
     if not evictable(shard):
         pytest.skip("this file system keeps clean pages cached (tmpfs)")
-    store.hints.clear()
+    hints.clear()
     out = torch.empty(900, 2, 1024, dtype=torch.bfloat16)
     ds.read_hidden_into(1, out)
     assert torch.equal(out.view(torch.int16), samples[1].view(torch.int16))
-    asked = store.hints
-    assert len({key for key, _, _ in asked}) == 1  # the one shard
-    assert [r for _, ranges, _ in asked for r in ranges] == wanted  # each once, in order
-    assert all(len(ranges) == 1 and not probed for _, ranges, probed in asked)
-    store.hints.clear()
+    assert len({fd for fd, _, _ in hints}) == 1  # the one shard
+    assert [(offset, nbytes) for _, offset, nbytes in hints] == wanted  # each once, in order
+    hints.clear()
     ds.read_hidden_into(1, out)  # warm
-    assert store.hints == []
+    assert hints == []
     ds.close()
 
 
-class FailingHints(LocalStorage):
-    """A local dataset directory whose read hints and residency probes fail."""
-
-    def will_read(self, key, ranges, *, unless_resident=True):
-        raise OSError(5, "Input/output error")
-
-    def resident(self, key, offset, nbytes):
-        raise OSError(5, "Input/output error")
+def failing(*args: object, **kwargs: object) -> None:
+    raise OSError(5, "Input/output error")
 
 
 @pytest.mark.parametrize("codec", ["split-zstd", "none"])
-def test_failing_hints_fail_no_read(tmp_path, codec):
+def test_failing_hints_fail_no_read(tmp_path, codec, monkeypatch):
     """A hint is advice: when the storage cannot take it, reads (per sample, and the loader's,
     which hints a batch ahead) return the written bits all the same."""
     root = tmp_path / "ds"
@@ -200,7 +194,10 @@ def test_failing_hints_fail_no_read(tmp_path, codec):
         for k, states in enumerate(samples):
             t = states.shape[0]
             w.add(f"s{k}", torch.arange(t), torch.ones(t, dtype=torch.int64), states)
-    ds = hsstore.open(FailingHints(root), read_threads=1)
+    # Every read hint, and every probe of whether bytes are in the page cache, fails.
+    monkeypatch.setattr(os, "posix_fadvise", failing)
+    monkeypatch.setattr(read_ahead, "resident", failing)
+    ds = hsstore.open(root, read_threads=1)
     for k in (3, 0, 5):
         ds.close()  # maps the files again, so the reads start cold
         got = ds.read(k).hidden
@@ -234,7 +231,7 @@ def test_the_loader_reads_its_next_batch_from_disk_while_it_decodes_this_one(tmp
         pytest.skip("this file system keeps clean pages cached (tmpfs)")
     reader = loader.source.ds._readers[0]
     rpc = reader.manifest.layout.rows_per_chunk
-    chunks = reader.shard_index(0)[60 * 48 // rpc : -(-64 * 48 // rpc), 0]  # samples 60-63
+    chunks = reader.shard_index(0).entries[60 * 48 // rpc : -(-64 * 48 // rpc), 0]  # samples 60-63
     far = set(range(int(chunks[0, 0]) // PAGE, -(-int(chunks[-1].sum()) // PAGE)))
     tokens = np.full(4, 48)
     held = threading.Event()
@@ -286,7 +283,6 @@ def test_will_read_on_object_storage_does_nothing_and_reads_stay_right(s3_url):
     with ds.writer() as w:
         w.add("s0", torch.arange(40), torch.ones(40, dtype=torch.int64), states)
     ds = hsstore.open(s3_url)
-    assert not ds.storage.reads_ahead
     ds.will_read([0])
     assert torch.equal(ds[0].hidden.view(torch.int16), states.view(torch.int16))
 

@@ -119,7 +119,7 @@ def test_a_writer_paused_past_its_ttl_while_gc_runs_publishes_nothing_and_says_s
     storage = _faulty(location, plan)
     w = hsstore.open(storage).writer(lease_ttl_s=TTL)
     w.add("a", *_sample("a"))
-    w._finish_segment()
+    w.flush()
     armed[0] = True
     outcome: list[object] = []
     t = threading.Thread(target=lambda: outcome.append(_try(w.commit)))
@@ -153,7 +153,7 @@ def test_gc_on_a_machine_whose_clock_runs_ahead_keeps_a_live_writers_segment(tmp
     _make(root)
     w = hsstore.open(root).writer()
     w.add("a", *_sample("a"))
-    w._finish_segment()
+    w.flush()
     with clock_shift(150):
         report = hsstore.gc(root)
     assert report.removed_segments == [] and len(report.live_segments) == 1
@@ -167,7 +167,7 @@ def test_gc_on_a_machine_whose_clock_runs_behind_still_removes_debris(tmp_path):
     _make(root)
     w = hsstore.open(root).writer(lease_ttl_s=TTL)
     w.add("a", *_sample("a"))
-    w._finish_segment()
+    w.flush()
     w.leases.release_all()  # the writer died
     time.sleep(0.2)
     with clock_shift(-3600):

@@ -16,8 +16,9 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import SegmentRemovedError
 from hsstore.format import commit, paths
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import Storage
 from tests.faults import stopped_at
 from tools.synthetic import random_sample
 
@@ -50,8 +51,7 @@ def test_gc_spares_a_segment_whose_heartbeat_runs(location):
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()  # the segment's files are all written, not yet committed
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id  # the segment's files are all written, not yet committed
     time.sleep(_lapse_wait(location) + TTL)  # the heartbeat keeps the lease live past its ttl
     report = hsstore.gc(location, grace_s=0)
     assert report.live_segments == [seg_id] and report.removed_segments == []
@@ -66,8 +66,7 @@ def test_a_commit_between_gc_listing_and_checks_is_kept(location):
     ds = _make(location)
     w = ds.writer(lease_ttl_s=TTL)
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id
 
     # gc stops at its first listing of segments/, after it read the manifest; the writer
     # publishes and drops its lease meanwhile.
@@ -96,8 +95,7 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
 
     w.leases.before_heartbeat = stall
     w.add("a", *random_sample(10, 2, 32))
-    w._finish_segment()
-    seg_id = w._finished[0].id
+    seg_id = w.flush().id
     assert stalled.wait(5)
     time.sleep(_lapse_wait(location))
     report = hsstore.gc(location, grace_s=0)

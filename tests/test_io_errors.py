@@ -17,7 +17,7 @@ from hsstore.format.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at
 from tests.test_repair_beside_writer import _build, _sample
 
-READS = ("read_bytes", "read_into", "read_scatter", "read_ranges_into", "size")
+READS = ("read_bytes", "read_ranges", "size")
 
 
 @pytest.fixture(autouse=True)

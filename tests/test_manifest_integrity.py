@@ -331,7 +331,7 @@ def test_an_index_row_that_does_not_fit_the_layout_is_refused(tmp_path, shift, r
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hsstore.codecs import crc32c
+    from hsstore.format.codecs import crc32c
 
     ds = _build(tmp_path / "ds", commits=1)
     assert ds.manifest.layout.sample_aligned

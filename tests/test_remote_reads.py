@@ -1,4 +1,4 @@
-"""The read-request path: coalesced chunk reads (local, s3://, gs://, az://) and the local cache
+"""The read-request path: ranged reads (local, s3://, gs://, az://) and the local cache
 of a remote dataset (bounded, and never serving a damaged copy)."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
 from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import Storage
 from hsstore.format.store_cache import DIGEST_SUFFIX
 from tools.synthetic import random_sample
 
@@ -41,72 +42,49 @@ def _all_reads(storage: Storage) -> list[torch.Tensor]:
     return got
 
 
-class CountingStorage(LocalStorage):
-    """Local storage that counts the read requests the segment reader makes (without memory
-    maps, so that chunks are read by request)."""
-
-    def __init__(self, root: str, coalesce_bytes: int):
-        super().__init__(root)
-        self.coalesce_bytes = coalesce_bytes
-        self.single_reads = 0
-        self.range_calls = 0
-
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        if "/states/" in key:
-            self.single_reads += 1
-        return super().read_into(key, offset, out)
-
-    def map(self, key: str) -> None:
-        return None  # every chunk is a request, as on a storage that cannot map files
-
-    def read_ranges_into(self, key: str, requests: list[tuple[int, memoryview]]) -> list[int]:
-        self.range_calls += 1
-        return super().read_ranges_into(key, requests)
+def _check_ranges(storage: Storage, key: str, *, past_end: bool) -> None:
+    """`read_ranges` returns each range's bytes in the order asked, as views and into buffers:
+    ranges back to back, a few bytes apart, far apart, one byte, and (``past_end``) one that
+    runs past the end of the object, which comes back short."""
+    blob = os.urandom(10_000)
+    storage.write_file(key, [blob])
+    ranges = [(10, 3500), (3510, 1), (3515, 999), (8000, 1500), (4514, 7)]
+    if past_end:
+        ranges.append((9990, 50))
+    expected = [blob[offset : offset + nbytes] for offset, nbytes in ranges]
+    assert [bytes(v) for v in storage.read_ranges(key, ranges)] == expected
+    bufs = [memoryview(bytearray(nbytes)) for _, nbytes in ranges]
+    assert [bytes(v) for v in storage.read_ranges(key, ranges, bufs)] == expected
+    assert [bytes(b[: len(e)]) for b, e in zip(bufs, expected, strict=True)] == expected
 
 
-def test_coalesced_reads_are_bit_identical_to_per_chunk_reads_locally(tmp_path):
-    root = str(tmp_path / "ds")
-    _make(root)
-    per_chunk = CountingStorage(root, coalesce_bytes=0)
-    expected = _all_reads(per_chunk)
-    assert per_chunk.range_calls == 0
-    for cap in (1, 3000, 64 << 20):  # one chunk per call, a few, a whole shard
-        coalesced = CountingStorage(root, coalesce_bytes=cap)
-        got = _all_reads(coalesced)
-        assert len(got) == len(expected)
-        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-        assert coalesced.range_calls > 0
-        # read_into is left for the shard indexes (and runs a pread each per range)
-        if cap == 64 << 20:
-            assert coalesced.range_calls < per_chunk.single_reads / 2
+def test_local_read_ranges_returns_each_range_in_order(tmp_path):
+    _check_ranges(LocalStorage(tmp_path), "segments/x/states/c/0/0/0", past_end=True)
 
 
-def test_coalesced_reads_are_bit_identical_on_object_stores(remote_url, tmp_path):
+def test_object_store_read_ranges_batches_splits_and_fills_each_range(remote_url, monkeypatch):
+    import hsstore.format.object_store as object_store
+
+    monkeypatch.setattr(object_store, "SPLIT_BYTES", 1000)
+    monkeypatch.setattr(object_store, "GAP_BYTES", 4)
+    storage = open_storage(remote_url)
+    assert isinstance(storage, ObjectStorage)
+    for batch_bytes in (1, 3000, 1 << 20):  # one range per batch, a few, all of them
+        storage.batch_bytes = batch_bytes
+        _check_ranges(storage, f"segments/x/states/c/0/0/{batch_bytes}", past_end=False)
+
+
+def test_reads_are_bit_identical_on_object_stores_whatever_the_batches(remote_url, tmp_path):
     _make(remote_url)
     local_root = str(tmp_path / "local")
     _make(local_root)
     expected = _all_reads(LocalStorage(local_root))
     remote = open_storage(remote_url)
-    assert isinstance(remote, ObjectStorage) and remote.coalesce_bytes > 0
-    for cap in (1, 3000, remote.coalesce_bytes):
-        remote.coalesce_bytes = cap
+    assert isinstance(remote, ObjectStorage)
+    for batch_bytes in (1, 3000, remote.batch_bytes):
+        remote.batch_bytes = batch_bytes
         got = _all_reads(remote)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-
-
-def test_read_ranges_into_splits_long_ranges_and_fills_each_buffer(remote_url, monkeypatch):
-    import hsstore.format.object_store as object_store
-
-    monkeypatch.setattr(object_store, "SPLIT_BYTES", 1000)
-    storage = open_storage(remote_url)
-    blob = os.urandom(10_000)
-    storage.write_file("segments/x/states/c/0/0/0", [blob])
-    bufs = [memoryview(bytearray(n)) for n in (3500, 1, 999, 2000)]
-    offsets = [10, 5000, 6001, 8000]
-    got = storage.read_ranges_into("segments/x/states/c/0/0/0", list(zip(offsets, bufs)))
-    assert got == [3500, 1, 999, 2000]
-    for off, buf in zip(offsets, bufs, strict=True):
-        assert bytes(buf) == blob[off : off + len(buf)]
 
 
 def _cached_files(cache: Path) -> list[Path]:

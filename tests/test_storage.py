@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
-from hsstore.format.store import LocalStorage
 
 
 def test_put_if_absent_is_exclusive(tmp_path):
@@ -51,12 +51,13 @@ def test_racing_creates_have_exactly_one_winner(location):
         assert storages[0].read_bytes(f"manifests/v{k:08d}.json") == b"w%d" % winners[0]
 
 
-def test_scatter_read_fills_buffers_in_order(tmp_path):
+def test_ranges_a_few_bytes_apart_fill_their_buffers_and_nothing_else(tmp_path):
+    """Read together (the gap goes to a junk buffer), each range lands in its own buffer."""
     store = LocalStorage(tmp_path)
     store.write_file("f", [bytes(range(256))])
-    a, junk, b = bytearray(10), bytearray(4), bytearray(6)
-    got = store.read_scatter("f", 100, [memoryview(a), memoryview(junk), memoryview(b)])
-    assert got == 20
+    a, b = bytearray(10), bytearray(6)
+    got = store.read_ranges("f", [(100, 10), (114, 6)], [memoryview(a), memoryview(b)])
+    assert [len(v) for v in got] == [10, 6]
     assert bytes(a) == bytes(range(100, 110)) and bytes(b) == bytes(range(114, 120))
 
 
@@ -72,8 +73,8 @@ def test_threads_reading_more_files_than_the_descriptor_cache_holds(tmp_path):
     def read(i: int) -> bool:
         key = f"shard{i % 12}"
         out = bytearray(1 << 16)
-        n = store.read_into(key, 0, memoryview(out))
-        return n == len(out) and bytes(out) == payloads[key]
+        (got,) = store.read_ranges(key, [(0, len(out))], [memoryview(out)])
+        return len(got) == len(out) and bytes(out) == payloads[key]
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(read, range(2000)))
@@ -92,12 +93,14 @@ def test_memory_maps_show_the_stored_bytes_and_outlive_eviction_and_close(tmp_pa
     for key, data in payloads.items():
         store.write_file(key, [data])
     store.write_file("empty", [b""])
-    views = {key: store.map(key) for key in payloads}
+    views = {key: list(store.read_ranges(key, [(0, len(data))])) for key, data in payloads.items()}
     assert len(store._maps) == 2  # the first two were evicted from the cache
     store.close()
-    assert all(bytes(views[key]) == data for key, data in payloads.items())
-    assert bytes(store.map("shard0")[100:110]) == payloads["shard0"][100:110]
-    assert len(store.map("empty")) == 0
+    assert all(bytes(views[key][0]) == data for key, data in payloads.items())
+    assert [bytes(v) for v in store.read_ranges("shard0", [(100, 10)])] == [
+        payloads["shard0"][100:110]
+    ]
+    assert [len(v) for v in store.read_ranges("empty", [(0, 0)])] == [0]
 
 
 def test_delete_tree_skips_keys_already_gone(remote_url):

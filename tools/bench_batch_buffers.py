@@ -115,7 +115,7 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
         shard, c = divmod(first // rpc, cps)
         if shard not in fds:
             fds[shard] = os.open(seg.where(paths.shard_relpath(shard)), os.O_RDONLY)
-        offset = int(seg.shard_index(shard)[c, 0][0]) + (first - first // rpc * rpc) * rb
+        offset = seg.shard_index(shard).chunk(c, 0)[0] + (first - first // rpc * rpc) * rb
         where.append((fds[shard], offset, lens[i] * rb))
     ring_bytes = [r.view(torch.uint8).numpy() for r in ring]
     one_bytes = one.view(torch.uint8).numpy()

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numcodecs import blosc  # noqa: E402
 
-from hsstore.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig  # noqa: E402
+from hsstore.format.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig  # noqa: E402
 from hsstore.format.layout import ALIGNED_MAX_ROWS  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402

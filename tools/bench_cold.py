@@ -10,13 +10,12 @@ shuffled order, from one thread, into a reused buffer:
 * each read: the files evicted before every read, untimed (a data set much larger than
   memory, read at random).
 
-Each pass runs with read hints (`Storage.will_read`, the default: a compressed read asks for
-its chunks in order, a few ahead of its decoding), with whole-read hints (all the
-chunks of a read at once, the simpler alternative; compressed data only, the uncompressed path
-hints the same way in both) and
-without hints (`reads_ahead` turned off on the open dataset's storage: page faults on the shard
-maps read the device's readahead window around them), the cases in turn, their order rotated
-from one repeat to the next, best of ``--repeats``.
+Each pass runs with each setting of the local storage's `read_hints`: "in order" (the default:
+a compressed read asks for its chunks in order, a few ahead of its decoding), "all at once"
+(all the chunks of a read in one hint before the first is decoded; compressed data only, an
+uncompressed read has no chunks to pace) and "none" (page faults on the shard maps read the
+device's readahead window around them), the cases in turn, their order rotated from one repeat
+to the next, best of ``--repeats``.
 
     python tools/bench_cold.py            # ~0.6 GB of data, a few minutes
     python tools/bench_cold.py --quick    # well under a minute
@@ -30,13 +29,11 @@ Last line (ratios within this run; small = MiniLM, large = synthetic):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -44,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 import hsstore  # noqa: E402
-from hsstore import LayerSpec, read_ahead  # noqa: E402
-from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore import LayerSpec  # noqa: E402
+from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.format.local_store import LocalStorage  # noqa: E402
 from tools.bench_peers import (  # noqa: E402
     Sample,
     data_arguments,
@@ -67,35 +65,19 @@ def write(root: Path, samples: list[Sample], codec: str) -> None:
 
 # The cases of a pass: how a read hands its bytes to the storage.
 IN_ORDER, ALL_AT_ONCE, NO_HINTS = "hints", "hints all at once", "no hints"
-
-
-@contextlib.contextmanager
-def all_chunks_at_once() -> Iterator[None]:
-    """Whole-read hints, the alternative to hints in decoding order: every chunk of a read's
-    shard hinted at once, before the first is decoded."""
-
-    def start(storage, key, mapped, entries, first, layer_chunks) -> None:
-        storage.will_read(key, read_ahead.chunk_ranges(entries, layer_chunks))
-
-    in_order = read_ahead.ColdChunks.start
-    read_ahead.ColdChunks.start = staticmethod(start)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        read_ahead.ColdChunks.start = in_order  # type: ignore[method-assign]
+READ_HINTS = {IN_ORDER: "in order", ALL_AT_ONCE: "all at once", NO_HINTS: "none"}
 
 
 def cold_passes(root: Path, case: str, seed: int) -> tuple[float, float]:
     """GB/s of states of one shuffled pass after one eviction, and of one with an eviction
     before every read."""
-    with all_chunks_at_once() if case == ALL_AT_ONCE else contextlib.nullcontext():
-        return _cold_passes(root, case != NO_HINTS, seed)
+    storage = LocalStorage(root)
+    storage.read_hints = READ_HINTS[case]
+    return _cold_passes(storage, root, seed)
 
 
-def _cold_passes(root: Path, hints: bool, seed: int) -> tuple[float, float]:
-    ds = hsstore.open(root)
-    if not hints:
-        ds.storage.reads_ahead = False
+def _cold_passes(storage: LocalStorage, root: Path, seed: int) -> tuple[float, float]:
+    ds = hsstore.open(storage)
     lengths = [ds.num_tokens_of(i) for i in range(len(ds))]
     row = len(ds.layers) * ds.hidden_size
     buf = torch.empty(max(lengths) * row, dtype=torch.bfloat16)

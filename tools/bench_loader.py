@@ -13,6 +13,9 @@ DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batch
   uncompressed without the whole-sample checksum, ``+noverify``);
 * v1: ``torch.load(mmap=True)`` per sample, aux layers concatenated, speculators' packing
   collate (cat + pad), ``DataLoader`` with one worker per core, same batches;
+* codec: the codec alone on one core, as `tools/bench_codec.py` times it: every chunk of the
+  compressed copy, held in memory, decoded (crc checked) into one reused buffer; the compressed
+  loader with one decode thread is measured against it (``loader_vs_codec``);
 * cold: the ceiling and the loaders again after evicting the files from the page cache with
   ``posix_fadvise(DONTNEED)`` (only our files; other processes' caches are left alone).
 
@@ -20,10 +23,12 @@ Each case first runs one untimed epoch (page cache, buffers, imports); warm figu
 best of ``--repeat`` further epochs, cold ones a single epoch after the eviction. GB/s counts raw
 hidden-state bytes delivered (tokens x layers x hidden x itemsize). The last line is::
 
-    loader_vs_ceiling=.. loader_vs_v1=.. compressed_gb_s_per_core=.. peak_rss_mb=..
+    loader_vs_ceiling=.. loader_vs_v1=.. compressed_gb_s_per_core=.. codec_gb_s=..
+    loader_vs_codec=.. peak_rss_mb=..
 
-(loader = uncompressed, all cores, warm; ceiling with as many threads; peak RSS = the largest
-of the hsstore loader cases).
+(loader = uncompressed, all cores, warm; ceiling with as many threads; codec_gb_s = the codec's
+own single-core decode rate, loader_vs_codec = the compressed loader on one decode thread
+against it; peak RSS = the largest of the hsstore loader cases).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsstore.codecs import DEFAULT_CODEC as COMPRESSED
+from hsstore.format.codecs import DEFAULT_CODEC as COMPRESSED
 
 LAYERS = 4
 
@@ -167,6 +172,34 @@ def _direct_runner(path: Path, max_tokens: int):
         for i, n in enumerate(lengths.tolist()):
             ds.read_hidden_into(i, buf[: n * row].view(n, len(ds.layers), ds.hidden_size))
         return int(lengths.sum())
+
+    return run
+
+
+def _codec_runner(path: Path):
+    """The codec alone, one core: every chunk of the dataset at ``path``, read into memory
+    first, decoded (crc checked) into one reused buffer; returns the decoded bytes."""
+    import hsstore
+    from hsstore.format import paths
+    from hsstore.format.codecs import ChunkCodec
+    from hsstore.format.segment_layout import EMPTY
+
+    ds = hsstore.open(path)
+    man = ds.manifest
+    codec = ChunkCodec(man.codec, man.storage_dtype.itemsize)
+    chunks = []
+    for k in range(len(man.segments)):
+        reader = ds.segment_reader(k)
+        for shard in range(reader.info.num_shards):
+            data = memoryview(reader.storage.read_bytes(reader.key(paths.shard_relpath(shard))))
+            entries = reader.shard_index(shard).entries.reshape(-1, 2).tolist()
+            chunks += [data[o : o + n] for o, n in entries if o != EMPTY]
+    out = np.empty(man.chunk_nbytes, np.uint8)
+
+    def run(epoch: int) -> int:
+        for chunk in chunks:
+            codec.decode_into(chunk, out, what="codec")
+        return len(chunks) * out.nbytes
 
     return run
 
@@ -315,6 +348,8 @@ def run_case(args: argparse.Namespace) -> None:
     elif kind == "v1":
         files = _files(root / "v1", "*.pt")
         evict_files = files
+    elif kind == "codec":
+        evict_files = []
     else:
         evict_files = _files(root / kind.removeprefix("direct-").partition("+")[0], "*")
 
@@ -325,6 +360,8 @@ def run_case(args: argparse.Namespace) -> None:
         run = _direct_runner(root / kind.removeprefix("direct-"), args.max_tokens)
     elif kind == "v1":
         run = _v1_runner(root, threads, args.max_tokens)
+    elif kind == "codec":
+        run = _codec_runner(root / f"hs_{COMPRESSED}")
     else:
         name, _, flag = kind.partition("+")
         run = _loader_runner(root / name, threads, args.max_tokens, verify=flag != "noverify")
@@ -347,7 +384,7 @@ def run_case(args: argparse.Namespace) -> None:
     # VmHWM is per address space and starts afresh at exec (ru_maxrss would inherit the
     # parent's high-water mark across fork+exec).
     self_hwm_kb = _status_kb("VmHWM")
-    nbytes = amount if kind == "ceiling" else amount * LAYERS * args.hidden * 2
+    nbytes = amount if kind in ("ceiling", "codec") else amount * LAYERS * args.hidden * 2
     print(json.dumps({
         "case": args.case, "seconds": secs, "gb_s": nbytes / secs / 1e9,
         "tokens_s": (nbytes / (LAYERS * args.hidden * 2)) / secs,
@@ -389,7 +426,7 @@ def main() -> None:
         "ceiling:1:warm", f"ceiling:{n}:warm",
         "hs_none:1:warm", f"hs_none:{n}:warm", f"hs_none+noverify:{n}:warm",
         f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm",
-        f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm",
+        f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm", "codec:1:warm",
         f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
     ]  # fmt: skip
     res: dict[str, dict] = {}
@@ -424,13 +461,17 @@ def main() -> None:
           f"compressed/v1 {g[f'hs_{COMPRESSED}:{n}:cold'] / g[f'v1:{n}:cold']:.2f}")  # fmt: skip
     print(f"compressed loader (1 thread) vs the core's own sequential decode (1 thread): "
           f"{comp1 / g[f'direct-hs_{COMPRESSED}:1:warm']:.2f}")  # fmt: skip
+    codec = g["codec:1:warm"]
+    print(f"compressed loader (1 thread) vs the codec alone (1 core, {codec:.2f} GB/s): "
+          f"{comp1 / codec:.2f}")  # fmt: skip
     print(f"uncompressed loader without whole-sample checksums (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
     print(
         f"loader_vs_ceiling={g[f'hs_none:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f} "
         f"loader_vs_v1={g[f'hs_none:{n}:warm'] / g[f'v1:{n}:warm']:.2f} "
-        f"compressed_gb_s_per_core={comp1:.2f} peak_rss_mb={peak:.0f}"
+        f"compressed_gb_s_per_core={comp1:.2f} codec_gb_s={codec:.2f} "
+        f"loader_vs_codec={comp1 / codec:.2f} peak_rss_mb={peak:.0f}"
     )
     if tmp is not None:
         tmp.cleanup()

@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
-from hsstore.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
-from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
+from hsstore.format.codecs import CODEC_NAMES, DEFAULT_CODEC
 from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, FORMATS, HSSTORE, FormatOption
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from hsstore.codecs import CODEC_NAMES, DEFAULT_CODEC
+from hsstore.format.codecs import CODEC_NAMES, DEFAULT_CODEC
 
 BACKENDS = ("transformers", "sglang")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

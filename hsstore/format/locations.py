@@ -11,8 +11,9 @@ from pathlib import Path
 
 from hsstore.errors import BadInputError
 from hsstore.format import paths
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import LocalStorage, Storage
+from hsstore.format.store import Storage
 from hsstore.format.urls import OBJECT_SCHEMES, check_url, local_path_of_file_url, redacted
 
 

@@ -10,7 +10,6 @@ A manifest from a newer format version is refused instead of misread.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -19,14 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.codecs import CodecConfig
 from hsstore.errors import (
     FormatError,
     IncompatibleDatasetError,
     IntegrityError,
     UnsupportedVersionError,
 )
-from hsstore.format import paths
+from hsstore.format.codecs import CodecConfig
 from hsstore.format.dtypes import (
     COLUMN_DTYPES,
     DTYPES,
@@ -38,6 +36,13 @@ from hsstore.format.dtypes import (
 )
 from hsstore.format.layers import LayerSpec
 from hsstore.format.layout import MAX_CHUNK_BYTES, Layout
+from hsstore.format.manifest_parts import (  # noqa: F401 - the parts a manifest is made of
+    FileInfo,
+    ModelInfo,
+    SegmentInfo,
+    check_unique_segments,
+    now_iso,
+)
 from hsstore.format.schema import validate
 from hsstore.format.sealing import checksum_matches, seal_document
 from hsstore.format.tiers import Tier, check_matches
@@ -55,108 +60,6 @@ APPENDED_PROVENANCE = ("skipped", "runs", "repairs")
 # A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
 # nest, so a hostile or damaged one cannot make a reader recurse without limit.
 MAX_NESTING = 64
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str | None = None
-    revision: str | None = None
-    num_hidden_layers: int | None = None
-    hidden_size: int | None = None
-    vocab_size: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "revision": self.revision,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-        }
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any] | None) -> ModelInfo:
-        obj = obj or {}
-        unknown = set(obj) - {"name", "revision", "num_hidden_layers", "hidden_size", "vocab_size"}
-        if unknown:
-            raise FormatError(f"unknown model fields {sorted(unknown)}")
-        return cls(**obj)
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    size: int
-    crc32c: int | None = None
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    """One committed, immutable segment."""
-
-    id: str
-    num_samples: int
-    num_tokens: int
-    num_shards: int
-    files: dict[str, FileInfo]
-    committed_at: str
-    # Rows of the segment's per-token arrays: num_tokens plus the padding of a sample-aligned
-    # layout (None: no padding, the arrays have num_tokens rows).
-    padded_rows: int | None = None
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_tokens if self.padded_rows is None else self.padded_rows
-
-    def to_json(self) -> dict[str, Any]:
-        obj: dict[str, Any] = {
-            "id": self.id,
-            "num_samples": self.num_samples,
-            "num_tokens": self.num_tokens,
-            "num_shards": self.num_shards,
-            "committed_at": self.committed_at,
-            "files": {
-                k: {"size": v.size, "crc32c": v.crc32c}
-                if v.crc32c is not None
-                else {"size": v.size}
-                for k, v in sorted(self.files.items())
-            },
-        }
-        if self.padded_rows is not None:
-            obj["num_rows"] = self.padded_rows
-        return obj
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any], *, where: str) -> SegmentInfo:
-        for relpath in obj["files"]:
-            shard = paths.shard_of(relpath)
-            if shard is None and relpath not in paths.SEGMENT_SMALL_FILES:
-                raise FormatError(
-                    f"segment {obj['id']} lists an unknown file {relpath!r}", path=where
-                )
-            if shard is not None and shard >= obj["num_shards"]:
-                raise FormatError(
-                    f"segment {obj['id']} lists shard {shard} but has {obj['num_shards']} shards",
-                    path=where,
-                )
-        padded_rows = obj.get("num_rows")
-        if padded_rows is not None and padded_rows < obj["num_tokens"]:
-            raise FormatError(
-                f"segment {obj['id']} has {padded_rows} rows for {obj['num_tokens']} tokens",
-                path=where,
-            )
-        return cls(
-            id=obj["id"],
-            num_samples=obj["num_samples"],
-            num_tokens=obj["num_tokens"],
-            num_shards=obj["num_shards"],
-            committed_at=obj["committed_at"],
-            files={k: FileInfo(v["size"], v.get("crc32c")) for k, v in obj["files"].items()},
-            padded_rows=padded_rows,
-        )
 
 
 @dataclass(frozen=True)
@@ -338,7 +241,7 @@ class Manifest:
                     f"delta removes segment {sorted(unknown)[0]}, which is not listed", path=where
                 )
             segments = tuple(s for s in segments if s.id not in gone)
-        _check_unique_segments(segments, delta.add_segments, where=where)
+        check_unique_segments(segments, delta.add_segments, where=where)
         provenance = self.provenance
         for key, added in (
             ("skipped", delta.add_skipped),
@@ -422,7 +325,7 @@ class Manifest:
             )
         except ValueError as exc:  # a LayerSpec or codec the dataclasses refuse
             raise FormatError(str(exc), path=where) from exc
-        _check_unique_segments((), man.segments, where=where)
+        check_unique_segments((), man.segments, where=where)
         check_matches(man.tier, man.dtype, where=where)
         if obj["storage_dtype"] != STORAGE_DTYPE_NAMES[man.dtype]:
             raise FormatError(
@@ -516,7 +419,7 @@ class Delta:
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, where: str) -> Delta:
         segments = tuple(SegmentInfo.from_json(s, where=where) for s in obj["add_segments"])
-        _check_unique_segments((), segments, where=where)
+        check_unique_segments((), segments, where=where)
         return cls(
             version=obj["version"],
             dataset_id=obj["dataset_id"],
@@ -540,16 +443,6 @@ def _unappended(provenance: dict[str, Any]) -> dict[str, Any]:
 def _fixed_part(man: Manifest) -> Manifest:
     """What no commit may change: everything but segments, provenance and the version stamp."""
     return replace(man, segments=(), provenance={}, version=0, committed_at="", format_version=0)
-
-
-def _check_unique_segments(
-    have: tuple[SegmentInfo, ...], new: tuple[SegmentInfo, ...], *, where: str
-) -> None:
-    seen = {s.id for s in have}
-    for seg in new:
-        if seg.id in seen:
-            raise FormatError(f"segment {seg.id} is listed twice", path=where)
-        seen.add(seg.id)
 
 
 def _seal(obj: dict[str, Any], *, where: str) -> bytes:

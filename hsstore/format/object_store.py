@@ -19,7 +19,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeVar
@@ -46,8 +46,11 @@ PART_BYTES = 8 << 20
 # How often a create that got no answer at all (a broken connection) is sent again.
 CREATE_ATTEMPTS = 4
 UNREACHABLE = "cannot reach the storage endpoint"
-# A read longer than two of these is split into concurrent ranged GETs.
+# A ranged read: runs longer than this go as several concurrent GETs; ranges at most
+# `GAP_BYTES` apart as one run; at most `BATCH_BYTES` of ranges fetched in one call.
 SPLIT_BYTES = 1 << 20
+GAP_BYTES = 4096
+BATCH_BYTES = 32 << 20
 
 
 def _retry_config() -> dict[str, object]:
@@ -99,8 +102,9 @@ class ObjectStorage(Storage):
     clock_resolution_s = 1.0  # Last-Modified is an HTTP date: whole seconds
     # obstore runs requests on a tokio runtime whose threads do not survive fork(): a forked
     # child's requests hang (obstore and tokio document fork as unsupported).
-    fork_safe = False
-    coalesce_bytes = 32 << 20
+    worker_start_method = "spawn"
+    # How many bytes of ranges one `read_ranges` batch fetches at once.
+    batch_bytes = BATCH_BYTES
 
     def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
         self.root = url.rstrip("/")
@@ -120,10 +124,6 @@ class ObjectStorage(Storage):
         self._cache = (
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
-        if self._cache is not None:
-            # Chunks are then read from local copies (each file is fetched whole, in one
-            # streamed GET): short reads, decoded and hashed while still in CPU cache.
-            self.coalesce_bytes = 0
         self._pid = os.getpid()
 
     # -- errors ----------------------------------------------------------------------------------
@@ -160,52 +160,54 @@ class ObjectStorage(Storage):
     def read_bytes(self, key: str) -> bytes:
         return self._call(key, lambda: bytes(obstore.get(self._store, key).bytes()))
 
-    def read_into(self, key: str, offset: int, out: memoryview) -> int:
-        if not len(out):
-            return 0
+    def read_ranges(
+        self,
+        key: str,
+        ranges: Sequence[tuple[int, int]],
+        into: Sequence[memoryview] | None = None,
+    ) -> Iterator[memoryview]:
+        """From the local copy where there is a cache (the file fetched whole first, in one
+        streamed GET). Otherwise in batches of up to `batch_bytes` of ranges (at least one
+        range each), one storage call per batch: ranges lying within `GAP_BYTES` of each other
+        go as one run, runs longer than `SPLIT_BYTES` as several GETs, all of them sent
+        concurrently (every request pays a round trip). The next batch is fetched once the
+        caller has taken this one's ranges."""
         if self._cache is not None and self._cache.covers(key):
-            return self._cache.local(key, self._fetch_whole).read_into(key, offset, out)
-        data = self._call(
-            key, lambda: obstore.get_range(self._store, key, start=offset, length=len(out))
-        )
-        view = memoryview(data)
-        out[: len(view)] = view
-        return len(view)
+            return self._cache.local(key, self._fetch_whole).read_ranges(key, ranges, into)
+        return self._fetch_ranges(key, ranges, into)
 
-    def read_scatter(self, key: str, offset: int, buffers: list[memoryview]) -> int:
-        want = sum(len(b) for b in buffers)
-        if self._cache is not None and self._cache.covers(key):
-            return self._cache.local(key, self._fetch_whole).read_scatter(key, offset, buffers)
-        if not want:
-            return 0
-        if want > 2 * SPLIT_BYTES:
-            # A long run goes as several ranged GETs at once (obstore sends them concurrently).
-            starts = list(range(offset, offset + want, SPLIT_BYTES))
-            ends = [min(s + SPLIT_BYTES, offset + want) for s in starts]
-            parts = self._call(
-                key,
-                lambda: obstore.get_ranges(self._store, key, starts=starts, ends=ends, coalesce=0),
-            )
-        else:
-            parts = [
-                self._call(
-                    key, lambda: obstore.get_range(self._store, key, start=offset, length=want)
-                )
-            ]
-        return _scatter([memoryview(p) for p in parts], buffers)
+    def _fetch_ranges(
+        self, key: str, ranges: Sequence[tuple[int, int]], into: Sequence[memoryview] | None
+    ) -> Iterator[memoryview]:
+        k = 0
+        while k < len(ranges):
+            first, total = k, ranges[k][1]
+            k += 1
+            while k < len(ranges) and total + ranges[k][1] <= self.batch_bytes:
+                total += ranges[k][1]
+                k += 1
+            for i, view in enumerate(self._fetch_batch(key, ranges[first:k]), start=first):
+                if into is None:
+                    yield view
+                else:
+                    into[i][: len(view)] = view
+                    yield into[i][: len(view)]
 
-    def read_ranges_into(self, key: str, requests: list[tuple[int, memoryview]]) -> list[int]:
-        """Several ranges of one object in one call: obstore sends them concurrently (ranges
-        longer than `SPLIT_BYTES` as several GETs), then each lands in its buffer."""
-        if self._cache is not None and self._cache.covers(key):
-            local = self._cache.local(key, self._fetch_whole)
-            return local.read_ranges_into(key, requests)
-        pieces: list[tuple[int, int, int]] = []  # (request, start, end)
-        for i, (offset, buf) in enumerate(requests):
-            for start in range(offset, offset + len(buf), SPLIT_BYTES):
-                pieces.append((i, start, min(start + SPLIT_BYTES, offset + len(buf))))
-        if not pieces:
-            return [0] * len(requests)
+    def _fetch_batch(self, key: str, batch: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """The bytes of each range of one batch, fetched together."""
+        runs: list[list[int]] = []  # [start, end] of each run of nearby ranges
+        run_of: list[int] = []
+        for offset, nbytes in batch:
+            if runs and 0 <= offset - runs[-1][1] <= GAP_BYTES:
+                runs[-1][1] = max(runs[-1][1], offset + nbytes)
+            else:
+                runs.append([offset, offset + nbytes])
+            run_of.append(len(runs) - 1)
+        pieces = [  # (run, start, end)
+            (r, start, min(start + SPLIT_BYTES, end))
+            for r, (lo, end) in enumerate(runs)
+            for start in range(lo, end, SPLIT_BYTES)
+        ]
         got = self._call(
             key,
             lambda: obstore.get_ranges(
@@ -216,14 +218,19 @@ class ObjectStorage(Storage):
                 coalesce=0,
             ),
         )
-        filled = [0] * len(requests)
-        for (i, start, _), data in zip(pieces, got, strict=True):
-            offset, buf = requests[i]
+        bufs = [bytearray(end - lo) for lo, end in runs]
+        filled = [0] * len(runs)
+        for (r, start, _), data in zip(pieces, got, strict=True):
             view = memoryview(data)
-            at = start - offset
-            buf[at : at + len(view)] = view
-            filled[i] += len(view)
-        return filled
+            at = start - runs[r][0]
+            bufs[r][at : at + len(view)] = view
+            if at == filled[r]:
+                filled[r] += len(view)
+        out = []
+        for (offset, nbytes), r in zip(batch, run_of, strict=True):
+            at = offset - runs[r][0]
+            out.append(memoryview(bufs[r])[at : min(at + nbytes, filled[r])])
+        return out
 
     def _fetch_whole(self, key: str) -> Iterator[memoryview]:
         result = self._call(key, lambda: obstore.get(self._store, key))
@@ -336,21 +343,6 @@ class ObjectStorage(Storage):
         self.__init__(  # type: ignore[misc]
             state["root"], cache_dir=state["cache_dir"], cache_bytes=state["cache_bytes"]
         )
-
-
-def _scatter(parts: list[memoryview], buffers: list[memoryview]) -> int:
-    """Copy consecutive received pieces into consecutive buffers; returns the bytes placed."""
-    done = 0
-    b, at = 0, 0  # current buffer and the offset in it
-    for part in parts:
-        pos = 0
-        while pos < len(part) and b < len(buffers):
-            n = min(len(part) - pos, len(buffers[b]) - at)
-            buffers[b][at : at + n] = part[pos : pos + n]
-            pos, at, done = pos + n, at + n, done + n
-            if at == len(buffers[b]):
-                b, at = b + 1, 0
-    return done
 
 
 def _first_line(exc: BaseException) -> str:

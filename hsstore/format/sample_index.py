@@ -23,7 +23,6 @@ INDEX_SCHEMA = pa.schema(
         pa.field("source", pa.string(), nullable=True),
     ]
 )
-COLUMN_ZSTD_LEVEL = 3
 
 
 def sample_checksum(

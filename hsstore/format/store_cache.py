@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 import xxhash
 
 from hsstore.format import paths
-from hsstore.format.store import TEMP_PREFIX, LocalStorage
+from hsstore.format.local_store import LocalStorage
+from hsstore.format.store import TEMP_PREFIX
 
 DEFAULT_CACHE_BYTES = 64 << 30
 DIGEST_SUFFIX = ".xxh3"

@@ -1,23 +1,19 @@
 """Zarr v3 metadata (``zarr.json``) for the groups and arrays of a dataset.
 
 hsstore writes these documents itself so that the data stays standard Zarr v3 (zarr-python or
-any other v3 reader opens every segment), while the hot paths never go through zarr-python.
+any other v3 reader opens every segment), while the hot paths never go through zarr-python. The bytes of the data files these
+documents describe are `hsstore.format.segment_layout`.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any
 
 import numpy as np
 
-from hsstore.codecs import CodecConfig, crc32c
+from hsstore.format.codecs import CodecConfig
 from hsstore.format.layout import Layout
-
-# The sharding index: per inner chunk (offset, nbytes) as little-endian uint64, then crc32c.
-EMPTY = 2**64 - 1
-INDEX_ENTRY = struct.Struct("<QQ")
 
 
 def group_json(attributes: dict[str, Any] | None = None) -> bytes:
@@ -93,16 +89,6 @@ def column_array_json(
         "dimension_names": ["token" if width is None else "token_layer"],
     }
     return json.dumps(doc, indent=1).encode()
-
-
-def encode_shard_index(entries: np.ndarray) -> list[bytes]:
-    """``entries``: uint64 array [..., 2] of (offset, nbytes) in chunk C order."""
-    body = np.ascontiguousarray(entries, dtype="<u8").tobytes()
-    return [body, struct.pack("<I", crc32c(body))]
-
-
-def shard_index_nbytes(num_chunks: int) -> int:
-    return num_chunks * INDEX_ENTRY.size + 4
 
 
 def _zarr_dtype(dtype: np.dtype) -> str:

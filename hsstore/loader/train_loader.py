@@ -452,8 +452,9 @@ class _WorkerBatches:
                 num_workers=loader.workers,
                 prefetch_factor=loader.prefetch,
                 persistent_workers=False,
-                # An object-store client does not survive fork(): spawn workers for one.
-                multiprocessing_context=None if loader.source.location.fork_safe else "spawn",
+                # The storage says how a process that uses it must start (an object-store
+                # client does not survive fork()).
+                multiprocessing_context=loader.source.location.worker_start_method,
             )
         )
         self._ring = [

@@ -1,0 +1,113 @@
+"""Getting a local read's bytes off the disk before its decoding needs them.
+
+`LocalStorage` tells the kernel which byte ranges a read needs next (`posix_fadvise(WILLNEED)`),
+so the device reads exactly those instead of the readahead window around a page fault, and
+reads them while the CPU decodes. Hints never change what a read returns, and a failed hint
+fails nothing: the read that follows reports what is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+
+# Hints need posix_fadvise and non-blocking reads (Linux).
+SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "RWF_NOWAIT")
+
+# One readahead hint at most: the kernel reads at most the larger of the device's readahead
+# window and its largest request per hint (1.25-4 MiB on the devices seen here;
+# `force_page_cache_ra`).
+HINT_PIECE_BYTES = 1 << 20
+
+# A cold read asks for this many ranges beyond the one it waits for (`ColdRanges`).
+COLD_RANGES_AHEAD = 2
+
+
+def cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` of the file is in the page cache: a 1-byte read that
+    fails with EAGAIN rather than wait for the disk (a miss may start the read of that page,
+    which the caller's hint covers anyway). True where the probe is not supported, so the
+    caller does nothing it would not have done without it."""
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def resident(fd: int, offset: int, nbytes: int) -> bool:
+    """Whether the range is in the page cache, judged on its first and last byte."""
+    return cached(fd, offset) and cached(fd, offset + nbytes - 1)
+
+
+def advise(fd: int, ranges: Sequence[tuple[int, int]], *, unless_resident: bool) -> None:
+    """Start reading the ranges from disk now (returns once the reads are queued), so the reads
+    that follow (faults on a map, or `preadv`s) wait only for reads already under way.
+
+    Without it a fault on an uncached page of a map reads the device's whole readahead window
+    around it, and waits for it: with an 8 MiB ``read_ahead_kb`` a cold random read of a 0.7 MB
+    sample moved up to 8 MiB and ran 3-5x slower than with the hint (a data set larger than the
+    page cache is read that way). Pages read this way carry no readahead marks, so the faults
+    that follow start no further reads. The kernel caps one hint at the device's largest
+    request or readahead window, hence the pieces.
+
+    With ``unless_resident`` a range already in the page cache is left alone: the hint would
+    look up every one of its pages again, so its ends are probed first (`resident`)."""
+    for offset, nbytes in ranges:
+        if not nbytes or (unless_resident and resident(fd, offset, nbytes)):
+            continue
+        for at in range(offset, offset + nbytes, HINT_PIECE_BYTES):
+            piece = min(HINT_PIECE_BYTES, offset + nbytes - at)
+            os.posix_fadvise(fd, at, piece, os.POSIX_FADV_WILLNEED)
+
+
+def merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges, in order, with those that lie back to back merged into one."""
+    out: list[tuple[int, int]] = []
+    for offset, nbytes in ranges:
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1] = (out[-1][0], out[-1][1] + nbytes)
+        else:
+            out.append((offset, nbytes))
+    return out
+
+
+class ColdRanges:
+    """The ranges of a mapped file that a read decodes in turn, while they are not in memory,
+    asked of the disk a few at a time so that they arrive in order, each while an earlier one
+    decodes.
+
+    Asked for all at once (one hint), the ranges share the device's bandwidth and arrive
+    together: the decoding starts only once the whole run is in, so a cold read of a small
+    compressed sample is its transfer, then its decode. Here the first range is asked for
+    alone and arrives after its own transfer; each range, once it is in, asks for those up to
+    `COLD_RANGES_AHEAD` beyond it, which come in while it decodes (`tools/bench_cold.py`
+    compares the two; docs/PERFORMANCE.md, "Cold reads").
+    """
+
+    def __init__(
+        self,
+        mapped: memoryview,
+        ranges: Sequence[tuple[int, int]],
+        hint: Callable[[Sequence[tuple[int, int]]], None],
+    ):
+        self.mapped, self.ranges, self.hint = mapped, ranges, hint
+        self.asked = 0  # the first range not asked for yet
+        self._ask_through(0)
+
+    def arrive(self, k: int) -> None:
+        """Range ``k`` is next to decode: wait for its bytes, then ask for the next ones."""
+        offset, nbytes = self.ranges[k]
+        if nbytes:
+            self.mapped[offset + nbytes - 1]  # noqa: B018 (a fault on a page under I/O waits for it)
+        self._ask_through(k + COLD_RANGES_AHEAD)
+
+    def _ask_through(self, last: int) -> None:
+        last = min(last, len(self.ranges) - 1)
+        if self.asked <= last:
+            with contextlib.suppress(OSError):
+                self.hint(self.ranges[self.asked : last + 1])
+            self.asked = last + 1

@@ -1,0 +1,206 @@
+"""Decoding rows of one segment's states: what `SegmentReader.read_rows` does for each shard,
+compressed chunk by chunk or, uncompressed, straight into the caller's buffer."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from hsstore.errors import IntegrityError
+from hsstore.format import paths
+from hsstore.format.codecs import ChunkCodec
+from hsstore.format.damage import read_io
+from hsstore.format.manifest import Manifest
+from hsstore.format.segment_layout import EMPTY, ShardIndex, raw_rows_range
+from hsstore.format.store import Storage
+
+# Decode buffers are per thread and shared by every segment reader, so a reading thread holds
+# about two chunks of scratch however many segments it has touched.
+_THREAD_SCRATCH = threading.local()
+
+
+class ShardSource(Protocol):
+    """What reading rows needs of a segment's reader (`hsstore.segment.SegmentReader`)."""
+
+    storage: Storage
+    manifest: Manifest
+    codec: ChunkCodec
+    row_bytes_chunk: int  # bytes of one row of one layer chunk
+
+    def key(self, relpath: str) -> str: ...
+
+    def shard_index(self, shard: int) -> ShardIndex: ...
+
+
+def scratch(name: str, nbytes: int) -> memoryview:
+    """This thread's buffer ``name``, at least ``nbytes`` long (grown as needed)."""
+    bufs = getattr(_THREAD_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _THREAD_SCRATCH.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or len(buf) < nbytes:
+        buf = bufs[name] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return memoryview(buf)[:nbytes]
+
+
+def read_raw_rows(
+    reader: ShardSource, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
+) -> None:
+    """Uncompressed, all layers: the wanted rows of each chunk are one byte range of the shard
+    (`raw_rows_range`), read straight into ``out`` (the
+    storage reads ranges that lie nearly back to back together). The whole-sample checksum
+    verifies the bytes, since a partial chunk cannot be checked against its crc."""
+    layout = reader.manifest.layout
+    rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, reader.row_bytes_chunk
+    c, last = start // rpc, (stop - 1) // rpc
+    while c <= last:  # shard by shard
+        shard = c // cps
+        end = min(last, (shard + 1) * cps - 1)
+        key = reader.key(paths.shard_relpath(shard))
+        ranges, into = [], []
+        for local, _, offset, _ in reader.shard_index(shard).chunks(
+            c - shard * cps, end - shard * cps, [0]
+        ):
+            crow0 = (shard * cps + local) * rpc
+            if offset == EMPTY:
+                raise IntegrityError(
+                    f"chunk ({crow0 // rpc}, 0) of committed rows is missing",
+                    path=reader.storage.path_of(key),
+                )
+            lo, hi = max(start, crow0), min(stop, crow0 + rpc)
+            ranges.append(raw_rows_range(offset, lo - crow0, hi - lo, rb))
+            into.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
+        for (_, nbytes), got in zip(
+            ranges,
+            # taken whole inside read_io: an I/O error surfaces while the ranges are read
+            read_io(lambda k=key, r=ranges, b=into: list(reader.storage.read_ranges(k, r, b))),
+            strict=True,
+        ):
+            if len(got) != nbytes:
+                raise IntegrityError("shard is truncated", path=reader.storage.path_of(key))
+            if hasher is not None:
+                hasher.update(got)
+        c = end + 1
+
+
+class RowsRead:
+    """One compressed `SegmentReader.read_rows` call: its chunks decoded shard by shard, each
+    as its bytes arrive from the storage (`Storage.read_ranges`), into ``out`` or, for a chunk
+    only part of whose rows or layers are wanted, into this thread's scratch and copied from
+    there. Per-chunk work is kept to the decode itself: shard state is looked up once per
+    shard, and the location string of a chunk is only built for an error."""
+
+    def __init__(
+        self,
+        reader: ShardSource,
+        start: int,
+        stop: int,
+        by_chunk: dict[int, list[tuple[int, int]]],
+        out: np.ndarray,
+        out_bytes: np.ndarray,
+        hasher: xxhash.xxh3_64 | None,
+        crc: bool,
+        whole_rows: bool,
+    ):
+        self.reader, self.start, self.stop, self.by_chunk = reader, start, stop, by_chunk
+        self.out, self.flat, self.rb = out, out_bytes.reshape(-1), out_bytes.shape[1]
+        self.hasher, self.crc, self.whole_rows = hasher, crc, whole_rows
+        layout = reader.manifest.layout
+        self.rpc, self.lpc, self.cps = (
+            layout.rows_per_chunk,
+            layout.layers_per_chunk,
+            layout.chunks_per_shard,
+        )
+        self.chunk_nbytes = self.rpc * reader.row_bytes_chunk
+
+    def _whole(self, c: int) -> bool:
+        """Whether chunk ``c`` decodes straight into ``out`` (all its rows and layers wanted)."""
+        crow0 = c * self.rpc
+        return self.whole_rows and self.start <= crow0 and crow0 + self.rpc <= self.stop
+
+    def _reusable(self, plan: list[tuple[int, int, int, int]], base: int) -> int:
+        """Which entry of ``plan`` this thread's scratch holds decoded already, or -1.
+
+        A chunk cut by a sample boundary is usually needed again by the neighbouring sample:
+        the thread's scratch keeps the last one decoded (chunks never change), with whether its
+        crc was checked (a read without a sample checksum needs that). Chunks decoded straight
+        into ``out`` leave the scratch alone, so only the first chunk that goes through it can
+        find it holding the chunk it wants."""
+        cached = getattr(_THREAD_SCRATCH, "decoded", None)
+        if cached is None or cached[0] is not self.reader:
+            return -1
+        candidates = (0, len(plan) - 1) if self.whole_rows else (0,)
+        for k in candidates:
+            local, j = plan[k][0], plan[k][1]
+            if not self._whole(base + local):
+                key = (self.reader, base + local, j)
+                return k if cached in ((*key, True), (*key, self.crc)) else -1
+        return -1
+
+    def decode_chunks(self, first: int, last: int) -> None:
+        """Row chunks ``first..last``, all in one shard."""
+        reader, rpc, start, stop = self.reader, self.rpc, self.start, self.stop
+        man = reader.manifest
+        shard = first // self.cps
+        base = shard * self.cps
+        key = reader.key(paths.shard_relpath(shard))
+        where = reader.storage.path_of(key)
+        plan = reader.shard_index(shard).chunks(first - base, last - base, list(self.by_chunk))
+        for local, j, offset, _ in plan:
+            if offset == EMPTY:
+                raise IntegrityError(
+                    f"chunk ({base + local}, {j}) of committed rows is missing", path=where
+                )
+        reuse = self._reusable(plan, base)
+        views = read_io(
+            reader.storage.read_ranges,
+            key,
+            [(offset, nbytes) for k, (_, _, offset, nbytes) in enumerate(plan) if k != reuse],
+        )
+        last_j = plan[-1][1]
+        flat, rb, whole_rows, hasher, crc = (
+            self.flat,
+            self.rb,
+            self.whole_rows,
+            self.hasher,
+            self.crc,
+        )
+        decode = reader.codec.decode_into
+        for k, (local, j, _, nbytes) in enumerate(plan):
+            c = base + local
+            crow0 = c * rpc
+            lo, hi = max(start, crow0), min(stop, crow0 + rpc)
+            whole = whole_rows and lo == crow0 and hi == crow0 + rpc
+            placed = flat[(lo - start) * rb : (hi - start) * rb]  # these rows' bytes in ``out``
+            if k != reuse:
+                encoded = next(views)
+                if len(encoded) != nbytes:
+                    raise IntegrityError("shard is truncated", path=where)
+                if whole:
+                    dst = placed
+                else:
+                    _THREAD_SCRATCH.decoded = None
+                    dst = scratch("chunk", self.chunk_nbytes)
+                try:
+                    # The sample checksum, when it is verified, covers the decoded bytes: the
+                    # chunk crc would check the same bytes a second time.
+                    decode(encoded, dst, what=where, crc=crc)
+                except IntegrityError as exc:
+                    raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
+                if not whole:
+                    _THREAD_SCRATCH.decoded = (reader, c, j, crc)
+            if not whole:
+                chunk = np.frombuffer(scratch("chunk", self.chunk_nbytes), man.storage_dtype)
+                rows = chunk.reshape(rpc, self.lpc, man.hidden_size)[lo - crow0 : hi - crow0]
+                if whole_rows:
+                    self.out[lo - start : hi - start] = rows
+                else:
+                    for pos, within in self.by_chunk[j]:
+                        self.out[lo - start : hi - start, pos] = rows[:, within]
+            if hasher is not None and j == last_j:
+                hasher.update(placed)
+        for _ in views:  # none left: this ends the read, and the storage releases what it held
+            pass
