@@ -29,6 +29,7 @@ from hsstore.extract.extra import require_extract_extra
 from hsstore.extract.layer_select import parse_layers
 from hsstore.extract.process_group import end_group, signal_group, wait_exited
 from hsstore.extract.progress import Progress
+from hsstore.extract.sglang_models import refuse_wrong_capture
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.format.layers import LayerSpec
 from hsstore.format.runs import input_identity, run_record
@@ -124,12 +125,15 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         raise BadInputError(str(exc)) from None
     if not os.path.exists(opts.data):
         raise BadInputError("prompt set not found", path=opts.data)
-    if opts.backend == "sglang" and not _sglang_engine_factory_given(opts):
-        import importlib.util
+    full_config = _load_config(opts.model, opts.trust_remote_code)
+    if opts.backend == "sglang":
+        refuse_wrong_capture(full_config, opts.model)
+        if not _sglang_engine_factory_given(opts):
+            import importlib.util
 
-        if importlib.util.find_spec("sglang") is None:
-            raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
-    config = _load_config(opts.model, opts.trust_remote_code)
+            if importlib.util.find_spec("sglang") is None:
+                raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
+    config = getattr(full_config, "text_config", None) or full_config
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
     layers = parse_layers(opts.layers, n)
     dtype = _store_dtype(opts, config)
@@ -215,7 +219,7 @@ def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     except (OSError, ValueError) as exc:
         hint = remote_code_hint(exc, trust_remote_code)
         raise BadInputError(f"cannot load a model config: {hint}", path=model) from exc
-    return getattr(config, "text_config", None) or config
+    return config
 
 
 def _store_dtype(opts: ExtractOptions, config: Any) -> str:

@@ -76,6 +76,7 @@ from hsstore.extract.sglang_checks import (
     states_from_captures,
 )
 from hsstore.extract.sglang_memory import cpu_mem_fraction
+from hsstore.extract.sglang_models import refuse_wrong_capture
 from hsstore.format.layers import LayerSpec
 
 __all__ = [
@@ -282,6 +283,7 @@ class SGLangBackend:
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise BadInputError(f"cannot load a model config: {exc}", path=model_dir) from exc
+        refuse_wrong_capture(config, model_dir)
         text_config = getattr(config, "text_config", None) or config
         self.num_hidden_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)
