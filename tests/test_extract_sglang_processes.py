@@ -1,4 +1,5 @@
-"""A killed extraction worker takes the processes its engine started with it.
+"""A killed extraction worker takes the processes its engine started with it; an interrupted
+run passes the interrupt on to its workers.
 
 SGLang's engine processes set their parent-death signal only after importing sglang, seconds
 after they start (hsstore/extract/process_group.py); one started by a worker killed before
@@ -28,6 +29,33 @@ def engine_that_dies_leaving_a_process(pid_file: str, **_server_args):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     Path(pid_file).write_text(str(child.pid))
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class EngineThatWaits:
+    """An engine whose forward blocks until it is interrupted, and records the interrupt."""
+
+    def __init__(self, flag: str, **_server_args):
+        self.flag = Path(flag)
+
+    def generate(self, **_request):
+        self.flag.with_suffix(".busy").write_text("")
+        try:
+            time.sleep(300)
+        except KeyboardInterrupt:
+            self.flag.write_text("interrupted")
+            raise
+
+    def shutdown(self) -> None:
+        pass
+
+
+def run_until_interrupted(model: str, prompts: str, out: str, flag: str) -> None:
+    """The child process of the interrupt test: one SGLang worker on the engine above."""
+    factory = functools.partial(EngineThatWaits, flag=flag)
+    run_extract(
+        ExtractOptions(model=model, data=prompts, out=out, backend="sglang", dtype="float32",
+                       progress=False, backend_options={"engine_factory": factory})
+    )  # fmt: skip
 
 
 def alive(pid: int) -> bool:
@@ -66,3 +94,30 @@ def test_a_killed_worker_takes_its_engine_processes_with_it(tmp_path):
     if alive(pid):
         os.kill(pid, signal.SIGKILL)
         pytest.fail("the killed worker's engine process outlived it")
+
+
+def test_an_interrupt_reaches_the_workers_in_their_own_groups(tmp_path):
+    """Ctrl-C signals the terminal's foreground group, which holds the CLI but not its workers
+    (each leads its own group): the runner passes it on, and the worker stops as on its own."""
+    model = build_tiny_model(tmp_path / "tiny", layers=4)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "The quick brown fox."}\n')
+    flag = tmp_path / "engine.flag"
+    args = [str(model), str(prompts), str(tmp_path / "ds"), str(flag)]
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import test_extract_sglang_processes as t; t.run_until_interrupted(*{args!r})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not flag.with_suffix(".busy").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # to the run's own process only
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
+    assert flag.read_text() == "interrupted"
