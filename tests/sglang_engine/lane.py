@@ -21,7 +21,9 @@ HERE = Path(__file__).resolve().parent
 STUB = HERE / "stub"  # the sgl_kernel stand-in
 ROOT = HERE.parent.parent
 LOG_ENV = "HSSTORE_SGL_KERNEL_LOG"  # where the stand-in records imports and calls
-ENGINE_ARGS = ["--backend", "sglang", "--device", "cpu", "--mem-fraction", "0.05"]
+# no --mem-fraction: every run starts its engine on the fraction hsstore computes for CPU
+# (hsstore/extract/sglang_memory.py), where SGLang's own default is negative
+ENGINE_ARGS = ["--backend", "sglang", "--device", "cpu"]
 ROWS = [
     {
         "messages": [
