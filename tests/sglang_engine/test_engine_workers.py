@@ -61,9 +61,10 @@ def group_members(pgid: int) -> list[psutil.Process]:
 def two_workers(setup):
     """An uninterrupted run with two workers, each with its own engine."""
     root, _, args = setup
-    return root / "two", run_cli(*args, "--out", str(root / "two"))
+    return root / "two", run_cli(*args, "--out", str(root / "two"), timeout=900)
 
 
+@pytest.mark.timeout(1200)  # two engines, started one after the other
 def test_two_workers_store_every_sample_bit_for_bit(setup, two_workers):
     root, model, _ = setup
     _, summary = two_workers
@@ -74,6 +75,7 @@ def test_two_workers_store_every_sample_bit_for_bit(setup, two_workers):
     assert hsstore.verify(root / "two").ok
 
 
+@pytest.mark.timeout(1200)  # a killed run and a rerun, each starting engines
 def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
     root, _, args = setup
     out = root / "killed"
@@ -87,7 +89,8 @@ def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
         assert len(workers) == 2, finish(proc, timeout=60)[1][-2000:]
         victim = workers[0]
         # kill it once its engine's processes exist: the other worker goes on meanwhile
-        while not victim.children(recursive=True) and time.monotonic() < deadline + 180:
+        # (engines on CPU start one after the other: the victim may wait for the other's)
+        while not victim.children(recursive=True) and time.monotonic() < deadline + 480:
             time.sleep(0.2)
         engine_procs = victim.children(recursive=True)
         assert engine_procs, "the worker started no engine process"
