@@ -121,3 +121,27 @@ def test_an_interrupt_reaches_the_workers_in_their_own_groups(tmp_path):
             proc.kill()
     assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-2000:]
     assert flag.read_text() == "interrupted"
+
+
+def test_engine_starts_on_cpu_take_turns(tmp_path):
+    """While one engine starts on CPU (holding the lock) another waits: SGLang would count the
+    second engine's memory against the first's profile (hsstore/extract/sglang_memory.py)."""
+    from hsstore.extract.sglang_memory import engine_start_lock
+
+    code = (
+        "from hsstore.extract.sglang_memory import engine_start_lock\n"
+        "print('waiting', flush=True)\n"
+        "with engine_start_lock():\n"
+        "    print('started', flush=True)\n"
+    )
+    with engine_start_lock():
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline() == "waiting\n"
+            time.sleep(1.0)
+            assert proc.poll() is None  # still waiting for the lock
+        except BaseException:
+            proc.kill()
+            raise
+    out, _ = proc.communicate(timeout=60)
+    assert out == "started\n" and proc.returncode == 0
