@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make demo` runs the built-in example, `make test` runs the
-# linter, the test suite and the transformers-release lane (what CI runs). Each creates .venv on
-# first use. `make test-sglang` runs the SGLang lane in its own environment (scripts/sglang_env.sh).
+# linter, the test suite, the transformers-release lane and the SGLang lane (what CI runs). Each
+# creates .venv on first use; the SGLang lane builds its own environment once
+# (scripts/sglang_env.sh, cached under ~/.cache/hsstore). `make test-sglang` runs that lane alone.
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
@@ -22,8 +23,9 @@ test: $(INSTALLED)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
 	bash scripts/test_transformers_versions.sh
+	bash scripts/test_sglang_lane.sh
 
-# The real sglang 0.5.23 engine on CPU, in its own cached environment (not yet part of `test`).
+# The real sglang 0.5.23 engine on CPU, in its own cached environment (the last part of `test`).
 test-sglang: $(INSTALLED)
 	bash scripts/test_sglang_lane.sh
 

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 ENV_DIR=$(bash scripts/sglang_env.sh)
 # tests/sglang_wheel.py reads the wheel's sources; scripts/install.sh downloads it
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$ENV_DIR/bin/python" -m pytest tests/sglang_engine -p no:cacheprovider -o timeout=900 "$@"
+exec "$ENV_DIR/bin/python" -m pytest tests/sglang_engine -p no:cacheprovider -o timeout=600 "$@"

@@ -3,8 +3,9 @@
 The parent validates everything that can be validated without a model forward (model config,
 tokenizer, layers, an existing dataset's compatibility) so bad input fails before any worker
 starts. It then runs ``--workers`` workers (in-process when there is one, spawned processes
-otherwise; each spawned worker gets its own GPU(s) through CUDA_VISIBLE_DEVICES) and renders one
-progress bar from their events. Each worker writes and commits its own segments, so the dataset
+otherwise; each spawned worker gets its own GPU(s) through CUDA_VISIBLE_DEVICES and leads its
+own process group, killed once the worker ends: see :mod:`hsstore.extract.process_group`) and
+renders one progress bar from their events. Each worker writes and commits its own segments, so the dataset
 is usable, and a crash loses only uncommitted work, at any moment.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
+import signal
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -25,10 +27,15 @@ from hsstore.extract.batching import parse_shard
 from hsstore.extract.extra import require_extract_extra
 from hsstore.extract.layer_select import parse_layers
 from hsstore.extract.options import ExtractOptions
+from hsstore.extract.process_group import end_group, signal_group, wait_exited
 from hsstore.extract.progress import Progress
+from hsstore.extract.sglang_models import refuse_wrong_capture
 from hsstore.extract.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.format.layers import LayerSpec
 from hsstore.format.runs import input_identity, run_record
+
+# how long interrupted workers get to commit what they completed before they are killed
+INTERRUPT_GRACE_S = 60.0
 
 
 class WorkerFailedError(HsstoreError):
@@ -95,12 +102,15 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         raise BadInputError(str(exc)) from None
     if not os.path.exists(opts.data):
         raise BadInputError("prompt set not found", path=opts.data)
-    if opts.backend == "sglang" and not _sglang_engine_factory_given(opts):
-        import importlib.util
+    full_config = _load_config(opts.model, opts.trust_remote_code)
+    if opts.backend == "sglang":
+        refuse_wrong_capture(full_config, opts.model)
+        if not _sglang_engine_factory_given(opts):
+            import importlib.util
 
-        if importlib.util.find_spec("sglang") is None:
-            raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
-    config = _load_config(opts.model, opts.trust_remote_code)
+            if importlib.util.find_spec("sglang") is None:
+                raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
+    config = getattr(full_config, "text_config", None) or full_config
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
     layers = parse_layers(opts.layers, n)
     dtype = _store_dtype(opts, config)
@@ -189,7 +199,7 @@ def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     except (OSError, ValueError) as exc:
         hint = remote_code_hint(exc, trust_remote_code)
         raise BadInputError(f"cannot load a model config: {hint}", path=model) from exc
-    return getattr(config, "text_config", None) or config
+    return config
 
 
 def _store_dtype(opts: ExtractOptions, config: Any) -> str:
@@ -316,27 +326,53 @@ def _run_spawned(
     """
     ctx = mp.get_context("spawn")
     per_worker = max(1, int(opts.backend_options.get("tp_size", 1)))
-    procs = []
     pipes: dict[Any, int] = {}  # read end -> rank
-    for w, spec in enumerate(specs):
-        visible = None
-        if gpus:
-            mine = [gpus[(w * per_worker + k) % len(gpus)] for k in range(per_worker)]
-            visible = ",".join(mine)
-            spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
-        reader, writer = ctx.Pipe(duplex=False)
-        with _env(CUDA_VISIBLE_DEVICES=visible):
-            p = ctx.Process(target=worker_process_main, args=(spec, writer), daemon=False)
-            p.start()
-        writer.close()  # the worker holds the only write end: its death closes the pipe
-        procs.append(p)
-        pipes[reader] = spec.rank
+    running: dict[int, Any] = {}  # rank -> the worker, until it has ended with its group
     results: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
+    try:
+        for w, spec in enumerate(specs):
+            visible = None
+            if gpus:
+                mine = [gpus[(w * per_worker + k) % len(gpus)] for k in range(per_worker)]
+                visible = ",".join(mine)
+                spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
+            reader, writer = ctx.Pipe(duplex=False)
+            with _env(CUDA_VISIBLE_DEVICES=visible):
+                p = ctx.Process(target=worker_process_main, args=(spec, writer), daemon=False)
+                p.start()
+            writer.close()  # the worker holds the only write end: its death closes the pipe
+            running[spec.rank] = p
+            pipes[reader] = spec.rank
+        _collect(pipes, running, results, errors, progress)
+    except KeyboardInterrupt:
+        # An interrupt (Ctrl-C) reaches this process alone, as each worker leads its own group:
+        # pass it on, so each worker commits what it completed, as on an interrupt of its own.
+        for p in running.values():
+            signal_group(p.pid, signal.SIGINT)
+        wait_exited(list(running.values()), timeout=INTERRUPT_GRACE_S)
+        raise
+    finally:
+        for p in running.values():  # a worker still running is killed, with its engine
+            end_group(p)
+    if errors:
+        raise WorkerFailedError(
+            "; ".join(errors) + " (committed samples are kept; re-run to resume)", path=opts.out
+        )
+    return [results[s.rank] for s in specs]
+
+
+def _collect(
+    pipes: dict[Any, int],
+    running: dict[int, Any],
+    results: dict[int, dict[str, Any]],
+    errors: list[str],
+    progress: Progress,
+) -> None:
+    """Read the workers' events until every pipe is closed; end each worker's process group
+    once the worker has exited (its engine's processes go with it)."""
     finished: set[int] = set()
     held: dict[int, list[str]] = {}  # the batch each worker has in its model right now
-    ranks = [s.rank for s in specs]
-    by_rank = dict(zip(ranks, procs))
     while pipes:
         for conn in mp_connection.wait(list(pipes), timeout=1.0):
             rank = pipes[conn]
@@ -345,9 +381,10 @@ def _run_spawned(
             except EOFError:  # the worker is gone; everything it sent has been read
                 del pipes[conn]
                 conn.close()
+                proc = running[rank]
+                wait_exited([proc], timeout=None)
+                end_group(running.pop(rank))
                 if rank not in finished:
-                    proc = by_rank[rank]
-                    proc.join()
                     finished.add(rank)
                     errors.append(
                         f"worker {rank} died (exit code {proc.exitcode})"
@@ -364,13 +401,6 @@ def _run_spawned(
                 held[rank] = list(payload["samples"])
             else:
                 progress.handle((kind, rank, payload))
-    for p in procs:
-        p.join()
-    if errors:
-        raise WorkerFailedError(
-            "; ".join(errors) + " (committed samples are kept; re-run to resume)", path=opts.out
-        )
-    return [results[r] for r in ranks]
 
 
 def _holding(samples: list[str]) -> str:

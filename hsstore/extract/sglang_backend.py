@@ -75,7 +75,8 @@ from hsstore.extract.sglang_checks import (
     rows_from_response,
     states_from_captures,
 )
-from hsstore.extract.sglang_memory import cpu_mem_fraction
+from hsstore.extract.sglang_memory import cpu_mem_fraction, engine_start_lock
+from hsstore.extract.sglang_models import refuse_wrong_capture
 from hsstore.format.conventions import sglang_ids
 from hsstore.format.layers import LayerSpec
 
@@ -239,7 +240,10 @@ def _default_engine_factory(**kwargs: Any) -> Any:
     except ImportError as exc:
         raise BadInputError("the sglang backend needs SGLang: pip install '.[sglang]'") from exc
     check_sglang_version(str(getattr(sglang, "__version__", "unknown")))
-    return sglang.Engine(**kwargs)
+    if kwargs.get("device") != "cpu":
+        return sglang.Engine(**kwargs)
+    with engine_start_lock():  # engines on one host's memory start in turn
+        return sglang.Engine(**kwargs)
 
 
 def _capture_mode(capture: str | None) -> str:
@@ -283,6 +287,7 @@ class SGLangBackend:
             config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as exc:
             raise BadInputError(f"cannot load a model config: {exc}", path=model_dir) from exc
+        refuse_wrong_capture(config, model_dir)
         text_config = getattr(config, "text_config", None) or config
         self.num_hidden_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)

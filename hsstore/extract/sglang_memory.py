@@ -12,7 +12,9 @@ memory free now.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,24 @@ def cpu_mem_fraction(
             path=model_dir,
         )
     return round(max(fraction, 0.01) + 0.0005, 3)
+
+
+@contextlib.contextmanager
+def engine_start_lock():
+    """Held while one SGLang engine starts on CPU; engine starts on one host take turns.
+
+    SGLang measures free memory before and after loading the weights and counts the difference
+    as the model's (``_profile_available_bytes``, see above); on CPU that memory is the host's,
+    so a second engine starting meanwhile (another ``--workers`` worker) has its KV pool counted
+    against the first, which then refuses to start. The lock is a file lock, released by the
+    kernel if its holder dies.
+    """
+    import fcntl
+
+    path = os.path.join(tempfile.gettempdir(), "hsstore-sglang-cpu-engine-start.lock")
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

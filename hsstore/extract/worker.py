@@ -21,6 +21,7 @@ from typing import Any
 from hsstore.extract.batching import owner, plan_batches
 from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
 from hsstore.extract.options import ExtractOptions
+from hsstore.extract.process_group import die_with_group, lead_own_group
 from hsstore.extract.prompts import SkippedRow, read_prompts
 from hsstore.extract.writer_thread import WriterThread
 from hsstore.format.layers import LayerSpec
@@ -224,7 +225,9 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
 def worker_process_main(spec: WorkerSpec, events: Any) -> None:
     """Entry point of a spawned worker: report through the pipe ``events`` (whose ``send``
     has handed each event over when it returns, so none is lost if this process dies right
-    after), die with the parent."""
+    after), die with the parent. The worker leads its own process group, which the runner
+    kills when it ends (:mod:`hsstore.extract.process_group`)."""
+    lead_own_group()
     _exit_with_parent()
     # an error was already reported to the parent, which owns the exit code
     with contextlib.suppress(BaseException):
@@ -232,13 +235,14 @@ def worker_process_main(spec: WorkerSpec, events: Any) -> None:
 
 
 def _exit_with_parent() -> None:
-    """A worker whose parent was killed (kill -9 of the run) stops instead of running on."""
+    """A worker whose parent was killed (kill -9 of the run) stops instead of running on, and
+    takes the engine processes it started with it."""
     parent = os.getppid()
 
     def watch() -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
-                os._exit(3)
+                die_with_group(3)
 
     threading.Thread(target=watch, name="hsstore-parent-watch", daemon=True).start()

@@ -21,7 +21,9 @@ HERE = Path(__file__).resolve().parent
 STUB = HERE / "stub"  # the sgl_kernel stand-in
 ROOT = HERE.parent.parent
 LOG_ENV = "HSSTORE_SGL_KERNEL_LOG"  # where the stand-in records imports and calls
-ENGINE_ARGS = ["--backend", "sglang", "--device", "cpu", "--mem-fraction", "0.05"]
+# no --mem-fraction: every run starts its engine on the fraction hsstore computes for CPU
+# (hsstore/extract/sglang_memory.py), where SGLang's own default is negative
+ENGINE_ARGS = ["--backend", "sglang", "--device", "cpu"]
 ROWS = [
     {
         "messages": [
@@ -61,12 +63,23 @@ def cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     )
 
 
-def run_cli(*args: str, timeout: float = 600) -> dict:
+def run_cli(*args: str, timeout: float = 420) -> dict:
     """Run `hsstore extract ... --json` to the end; its summary, or a failure with stderr."""
     proc = cli(*args, "--no-progress", "--json")
-    out, err = proc.communicate(timeout=timeout)
+    out, err = finish(proc, timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}: {err[-4000:]}"
     return json.loads(out)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The CLI's (stdout, stderr); past ``timeout`` it is killed (its workers, and their
+    engines, follow it) and the test fails instead of waiting."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
 
 
 class Reference:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import tiny_models
 import torch
-from lane import ENGINE_ARGS, Reference, cli, compare, run_cli, write_prompts
+from lane import ENGINE_ARGS, Reference, cli, compare, finish, run_cli, write_prompts
 
 import hsstore
 
@@ -46,13 +46,25 @@ def workers_of(proc: psutil.Process) -> list[psutil.Process]:
     return out
 
 
+def group_members(pgid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
 @pytest.fixture(scope="module")
 def two_workers(setup):
     """An uninterrupted run with two workers, each with its own engine."""
     root, _, args = setup
-    return root / "two", run_cli(*args, "--out", str(root / "two"))
+    return root / "two", run_cli(*args, "--out", str(root / "two"), timeout=900)
 
 
+@pytest.mark.timeout(1200)  # two engines, started one after the other
 def test_two_workers_store_every_sample_bit_for_bit(setup, two_workers):
     root, model, _ = setup
     _, summary = two_workers
@@ -63,6 +75,7 @@ def test_two_workers_store_every_sample_bit_for_bit(setup, two_workers):
     assert hsstore.verify(root / "two").ok
 
 
+@pytest.mark.timeout(1200)  # a killed run and a rerun, each starting engines
 def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
     root, _, args = setup
     out = root / "killed"
@@ -73,23 +86,27 @@ def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
         while len(workers_of(parent)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         workers = workers_of(parent)
-        assert len(workers) == 2, proc.communicate()[1][-2000:]
+        assert len(workers) == 2, finish(proc, timeout=60)[1][-2000:]
         victim = workers[0]
         # kill it once its engine's processes exist: the other worker goes on meanwhile
-        while not victim.children(recursive=True) and time.monotonic() < deadline + 180:
+        # (engines on CPU start one after the other: the victim may wait for the other's)
+        while not victim.children(recursive=True) and time.monotonic() < deadline + 480:
             time.sleep(0.2)
         engine_procs = victim.children(recursive=True)
         assert engine_procs, "the worker started no engine process"
         victim.send_signal(signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=600)
+        # the runner ends the killed worker's process group at once, its engine's processes
+        # with it, whether or not they had set their parent-death signal yet
+        _, alive = psutil.wait_procs(engine_procs, timeout=20)
+        assert alive == [], [(p.pid, p.name()) for p in alive]
+        assert group_members(victim.pid) == []
+        # nothing of it holds the CLI's pipes: the CLI returns once the other worker is done
+        stdout, stderr = finish(proc, timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2, stderr[-2000:]  # a worker failed; committed samples kept
     assert "died (exit code -9)" in stderr and "re-run to resume" in stderr, stderr[-2000:]
-    # the killed worker's engine went with it (SGLang's processes die with their parent)
-    _, alive = psutil.wait_procs(engine_procs, timeout=60)
-    assert alive == []
     assert hsstore.verify(out).ok
     kept = len(hsstore.open(out))
     assert 0 < kept < len(ROWS)  # the other worker's share was committed

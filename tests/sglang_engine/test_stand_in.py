@@ -29,7 +29,9 @@ def test_the_stand_in_records_every_call_and_raises(tmp_path):
         "        raise SystemExit('no error')\n"
     )
     env = {**os.environ, LOG_ENV: str(log), "PYTHONPATH": str(STUB)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "sgl_kernel.kvcacheio.transfer_kv_all_layer is a test stand-in" in out.stdout
     events = [line.split(" pid=")[0] for line in log.read_text().splitlines()]
