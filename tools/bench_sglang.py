@@ -27,6 +27,7 @@ bytes), ``extract_vs_forward`` (hsstore extract's tokens/s over the plain forwar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +43,7 @@ LAYERS = 4
 LAYER_SPEC = "1,2,3,final"
 TOKENS = 512
 BATCH = 2
+FEW = 2  # prompts of the shorter extraction; the longer one's extra prompts are what counts
 
 
 def build_model(out: Path) -> Path:
@@ -90,16 +92,18 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
     return out
 
 
-class PeakRss:
-    """Peak RssAnon + RssShmem of this process and its children, sampled every 2 ms."""
+class PeakMemory:
+    """Peak host memory of this process and its children, sampled every 2 ms: their private
+    memory (RssAnon) plus the shared memory a capture directory holds (each page once, however
+    many processes map it)."""
 
-    def __init__(self):
+    def __init__(self, capture_dir: str | None):
+        self.capture_dir = capture_dir
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def now() -> int:
+    def now(self) -> int:
         import psutil
 
         procs = [psutil.Process()]
@@ -108,10 +112,14 @@ class PeakRss:
         for p in procs:
             try:
                 for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                    if line.startswith(("RssAnon:", "RssShmem:")):
+                    if line.startswith("RssAnon:"):
                         total += int(line.split()[1]) * 1024
             except OSError:
                 pass
+        if self.capture_dir:
+            for entry in os.scandir(self.capture_dir):
+                with contextlib.suppress(OSError):  # a slot renamed while scanning
+                    total += entry.stat().st_blocks * 512
         return total
 
     def _run(self):
@@ -120,7 +128,6 @@ class PeakRss:
             time.sleep(0.002)
 
     def __enter__(self):
-        self.base = self.now()
         self._thread.start()
         return self
 
@@ -128,10 +135,6 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.now())
-
-    @property
-    def added(self) -> int:
-        return max(0, self.peak - self.base)
 
 
 def _engine_args(model: str) -> dict[str, Any]:
@@ -185,6 +188,8 @@ def _fraction(model: str) -> float:
 
 
 def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[str, Any]:
+    """Batches through hsstore's backend, each paired with the same prompts under request ids
+    the capture ignores, in one engine."""
     import warnings
 
     from hsstore.extract.layer_select import parse_layers
@@ -196,37 +201,33 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
         backend = SGLangBackend(model, layers, dtype="bfloat16", device="cpu", capture=capture)
     try:
         data = prompts(BATCH * (batches + 1), vocab)
-        backend.run(data[:BATCH])
-        _plain_generate(backend.engine, data[:BATCH], "warm")
+        with PeakMemory(backend.capture_dir) as base:  # before any capture: no slot exists yet
+            _plain_generate(backend.engine, data[:BATCH], "warm")
+        states = backend.run(data[:BATCH])  # first use of the slots: their pages are faulted
+        state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
+        del states
         backend.capture_stats.clear()
-        with_s = without_s = 0.0
-        added_with = added_without = 0
-        state_bytes = 0
+        diffs = []
+        peak = 0
         for b in range(1, batches + 1):
             batch = data[b * BATCH : (b + 1) * BATCH]
-            with PeakRss() as rss:
-                t0 = time.perf_counter()
-                _plain_generate(backend.engine, batch, "nocap")
-                without_s += time.perf_counter() - t0
-            added_without = max(added_without, rss.added)
-            with PeakRss() as rss:
+            t0 = time.perf_counter()
+            _plain_generate(backend.engine, batch, "nocap")
+            without = time.perf_counter() - t0
+            with PeakMemory(backend.capture_dir) as mem:
                 t0 = time.perf_counter()
                 states = backend.run(batch)
-                for s in states:  # what the writer does first: read every value
-                    s.sum()
-                with_s += time.perf_counter() - t0
-            added_with = max(added_with, rss.added)
-            state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
-            del states
+                diffs.append(time.perf_counter() - t0 - without)
+                del states  # the writer is done with them: their slots are free again
+            peak = max(peak, mem.peak)
     finally:
         backend.close()
     return {
         "tokens": batches * BATCH * TOKENS,
-        "with_s": with_s,
-        "without_s": without_s,
+        "wall_diff_s": sorted(diffs)[len(diffs) // 2] * batches,  # median pair, all batches
         "stats": dict(backend.capture_stats),
         "state_bytes_per_sample": state_bytes,
-        "rss_added_per_sample": max(0, added_with - added_without) / BATCH,
+        "memory_added_per_sample": max(0, peak - base.peak) / BATCH,
     }
 
 
@@ -284,9 +285,9 @@ def _in_process(fn, *args) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--list-batches", type=int, default=2)
-    parser.add_argument("--extract-rows", type=int, default=8)
+    parser.add_argument("--extract-rows", type=int, default=34)
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -294,34 +295,38 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = str(build_model(work))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    extra_batches = (args.extract_rows - FEW) // BATCH
     report: dict[str, Any] = {}
-    report["plain"] = _in_process(phase_plain, model, args.batches, vocab)
     report["capture"] = _in_process(phase_backend, model, "shm", args.batches, vocab)
     report["lists"] = _in_process(phase_backend, model, "lists", args.list_batches, vocab)
-    few = _in_process(phase_extract, model, str(work), 2)
+    # the plain forward on both sides of the extractions, as many batches as they differ by
+    before = _in_process(phase_plain, model, extra_batches, vocab)
+    few = _in_process(phase_extract, model, str(work), FEW)
     many = _in_process(phase_extract, model, str(work), args.extract_rows)
+    after = _in_process(phase_plain, model, extra_batches, vocab)
+    report["plain"] = {"before": before, "after": after}
     report["extract"] = {"few": few, "many": many}
     print(json.dumps(report, indent=2))
 
-    plain_tps = report["plain"]["tokens"] / report["plain"]["wall_s"]
+    plain_tps = sum(r["tokens"] / r["wall_s"] for r in (before, after)) / 2
     cap, lst = report["capture"], report["lists"]
     cap_bytes = cap["state_bytes_per_sample"] * cap["tokens"] / TOKENS
-    timed = cap["stats"].get("write_s", 0.0) + cap["stats"].get("read_s", 0.0)
-    cap_wall = cap["with_s"] - cap["without_s"]
-    capture_gb_s = cap_bytes / max(timed, cap_wall, 1e-9) / 1e9
+    host_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]  # both on one core each time
+    capture_gb_s = cap_bytes / host_s / 1e9
     list_bytes = lst["state_bytes_per_sample"] * lst["tokens"] / TOKENS
-    list_gb_s = list_bytes / max(lst["with_s"] - lst["without_s"], 1e-9) / 1e9
-    # a negative wall difference means the machine's load varied more than the extra work took
-    extract_tps = (many["tokens"] - few["tokens"]) / max(many["wall_s"] - few["wall_s"], 1e-3)
+    list_gb_s = list_bytes / max(lst["wall_diff_s"], 1e-9) / 1e9
+    extra_tokens = many["tokens"] - few["tokens"]
+    extract_tps = extra_tokens / max(many["wall_s"] - few["wall_s"], 1e-3)
     print(
-        f"plain_tokens_s={plain_tps:.0f} capture_timed_gb_s={cap_bytes / max(timed, 1e-9) / 1e9:.2f}"
-        f" list_gb_s={list_gb_s:.4f} extract_tokens_s={extract_tps:.0f}"
+        f"plain_tokens_s={plain_tps:.0f} extract_tokens_s={extract_tps:.0f}"
+        f" list_gb_s={list_gb_s:.4f}"
+        f" capture_wall_us_per_token={cap['wall_diff_s'] / cap['tokens'] * 1e6:.1f}"
         f" state_kib_per_token={cap['state_bytes_per_sample'] / TOKENS / 1024:.1f}"
     )
     print(
-        f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / max(list_gb_s, 1e-12):.0f}"
-        f" host_us_per_token={cap_wall / cap['tokens'] * 1e6:.1f}"
-        f" peak_rss_per_sample={cap['rss_added_per_sample'] / cap['state_bytes_per_sample']:.2f}x"
+        f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / list_gb_s:.0f}"
+        f" host_us_per_token={host_s / cap['tokens'] * 1e6:.1f}"
+        f" peak_rss_per_sample={cap['memory_added_per_sample'] / cap['state_bytes_per_sample']:.2f}x"
         f" extract_vs_forward={extract_tps / plain_tps:.2f}"
     )
     return 0

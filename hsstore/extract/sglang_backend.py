@@ -68,7 +68,7 @@ import torch
 
 from hsstore.errors import BadInputError
 from hsstore.extract.chat_tokens import TokenizedPrompt
-from hsstore.extract.sglang_capture import make_capture_dir
+from hsstore.extract.sglang_capture import SlotReader, make_capture_dir
 from hsstore.extract.sglang_checks import (
     SGLangResponseError,
     check_meta,
@@ -298,6 +298,7 @@ class SGLangBackend:
                 model_dir, text_config, checkpoint_dtype=checkpoint, dtype=dtype_name
             )
         self.capture_dir = make_capture_dir() if self.capture == "shm" else None
+        self._slots = SlotReader(self.capture_dir) if self.capture_dir else None
         self._rid_prefix = f"hsstore-{uuid.uuid4().hex[:12]}-"
         self._rids = itertools.count()
         # bytes captured, the scheduler's write_s and this worker's read_s (tools/bench_sglang.py)
@@ -364,7 +365,7 @@ class SGLangBackend:
             check_meta(response, num_tokens=p.num_tokens, sample_id=p.sample_id, rid=rid)
             out.append(
                 states_from_captures(
-                    self.capture_dir,
+                    self._slots,
                     rid,
                     num_tokens=p.num_tokens,
                     layers=len(self.layers),
