@@ -92,40 +92,51 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
     return out
 
 
-class PeakMemory:
-    """Peak host memory of this process and its children, sampled every 2 ms: their private
-    memory (RssAnon) plus the shared memory a capture directory holds (each page once, however
-    many processes map it)."""
+def _tree() -> list[Any]:
+    import psutil
 
-    def __init__(self, capture_dir: str | None):
-        self.capture_dir = capture_dir
-        self.peak = 0
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def cpu_s(procs: list[Any]) -> float:
+    """CPU seconds used so far by ``procs`` (this process and the engine's)."""
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(OSError):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+class PeakMemory:
+    """Peak private memory (RssAnon) of ``procs``, sampled every 5 ms, and of the shared memory
+    a capture directory holds (each page once, however many processes map it)."""
+
+    def __init__(self, procs: list[Any], capture_dir: str | None):
+        self.procs, self.capture_dir = procs, capture_dir
+        self.anon = self.shared = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def now(self) -> int:
-        import psutil
-
-        procs = [psutil.Process()]
-        procs += procs[0].children(recursive=True)
-        total = 0
-        for p in procs:
-            try:
+    def _sample(self) -> None:
+        anon = 0
+        for p in self.procs:
+            with contextlib.suppress(OSError):
                 for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
                     if line.startswith("RssAnon:"):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
-                pass
+                        anon += int(line.split()[1]) * 1024
+        shared = 0
         if self.capture_dir:
             for entry in os.scandir(self.capture_dir):
                 with contextlib.suppress(OSError):  # a slot renamed while scanning
-                    total += entry.stat().st_blocks * 512
-        return total
+                    shared += entry.stat().st_blocks * 512
+        self.anon, self.shared = max(self.anon, anon), max(self.shared, shared)
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.002)
+            self._sample()
+            time.sleep(0.005)
 
     def __enter__(self):
         self._thread.start()
@@ -134,7 +145,7 @@ class PeakMemory:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.now())
+        self._sample()
 
 
 def _engine_args(model: str) -> dict[str, Any]:
@@ -189,7 +200,8 @@ def _fraction(model: str) -> float:
 
 def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[str, Any]:
     """Batches through hsstore's backend, each paired with the same prompts under request ids
-    the capture ignores, in one engine."""
+    the capture ignores, in one engine: the pair's difference in wall time, in CPU time of
+    every process, and in private memory is what the capture costs."""
     import warnings
 
     from hsstore.extract.layer_select import parse_layers
@@ -201,34 +213,42 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
         backend = SGLangBackend(model, layers, dtype="bfloat16", device="cpu", capture=capture)
     try:
         data = prompts(BATCH * (batches + 1), vocab)
-        with PeakMemory(backend.capture_dir) as base:  # before any capture: no slot exists yet
-            _plain_generate(backend.engine, data[:BATCH], "warm")
+        _plain_generate(backend.engine, data[:BATCH], "warm")
         states = backend.run(data[:BATCH])  # first use of the slots: their pages are faulted
         state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
         del states
         backend.capture_stats.clear()
-        diffs = []
-        peak = 0
+        procs = _tree()
+        walls, cpus, anons, shared = [], [], [], 0
         for b in range(1, batches + 1):
             batch = data[b * BATCH : (b + 1) * BATCH]
-            t0 = time.perf_counter()
-            _plain_generate(backend.engine, batch, "nocap")
-            without = time.perf_counter() - t0
-            with PeakMemory(backend.capture_dir) as mem:
-                t0 = time.perf_counter()
+            with PeakMemory(procs, backend.capture_dir) as without:
+                c0, t0 = cpu_s(procs), time.perf_counter()
+                _plain_generate(backend.engine, batch, "nocap")
+                wall, cpu = time.perf_counter() - t0, cpu_s(procs) - c0
+            with PeakMemory(procs, backend.capture_dir) as mem:
+                c0, t0 = cpu_s(procs), time.perf_counter()
                 states = backend.run(batch)
-                diffs.append(time.perf_counter() - t0 - without)
+                walls.append(time.perf_counter() - t0 - wall)
+                cpus.append(cpu_s(procs) - c0 - cpu)
                 del states  # the writer is done with them: their slots are free again
-            peak = max(peak, mem.peak)
+            anons.append(mem.anon - without.anon)
+            shared = max(shared, mem.shared)
     finally:
         backend.close()
     return {
         "tokens": batches * BATCH * TOKENS,
-        "wall_diff_s": sorted(diffs)[len(diffs) // 2] * batches,  # median pair, all batches
+        "wall_diff_s": _median(walls) * batches,
+        "cpu_diff_s": _median(cpus) * batches,
         "stats": dict(backend.capture_stats),
         "state_bytes_per_sample": state_bytes,
-        "memory_added_per_sample": max(0, peak - base.peak) / BATCH,
+        # the slots (shared, kept for reuse) and what else the capture allocates, per sample
+        "memory_added_per_sample": (shared + max(0, _median(anons))) / BATCH,
     }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
@@ -285,9 +305,9 @@ def _in_process(fn, *args) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--list-batches", type=int, default=2)
-    parser.add_argument("--extract-rows", type=int, default=34)
+    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--list-batches", type=int, default=1)
+    parser.add_argument("--extract-rows", type=int, default=18)
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -296,14 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_model(work))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     extra_batches = (args.extract_rows - FEW) // BATCH
+
+    def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
+        result = _in_process(fn, *fn_args)
+        print(json.dumps({name: result}), flush=True)  # a long run shows where it is
+        return result
+
     report: dict[str, Any] = {}
-    report["capture"] = _in_process(phase_backend, model, "shm", args.batches, vocab)
-    report["lists"] = _in_process(phase_backend, model, "lists", args.list_batches, vocab)
+    report["capture"] = phase("capture", phase_backend, model, "shm", args.batches, vocab)
+    report["lists"] = phase("lists", phase_backend, model, "lists", args.list_batches, vocab)
     # the plain forward on both sides of the extractions, as many batches as they differ by
-    before = _in_process(phase_plain, model, extra_batches, vocab)
-    few = _in_process(phase_extract, model, str(work), FEW)
-    many = _in_process(phase_extract, model, str(work), args.extract_rows)
-    after = _in_process(phase_plain, model, extra_batches, vocab)
+    before = phase("plain_before", phase_plain, model, extra_batches, vocab)
+    few = phase("extract_few", phase_extract, model, str(work), FEW)
+    many = phase("extract_many", phase_extract, model, str(work), args.extract_rows)
+    after = phase("plain_after", phase_plain, model, extra_batches, vocab)
     report["plain"] = {"before": before, "after": after}
     report["extract"] = {"few": few, "many": many}
     print(json.dumps(report, indent=2))
@@ -311,23 +337,27 @@ def main(argv: list[str] | None = None) -> int:
     plain_tps = sum(r["tokens"] / r["wall_s"] for r in (before, after)) / 2
     cap, lst = report["capture"], report["lists"]
     cap_bytes = cap["state_bytes_per_sample"] * cap["tokens"] / TOKENS
-    host_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]  # both on one core each time
+    # the hook's copy and the worker's check, each on one thread: CPU seconds, so a machine
+    # whose cores are shared slows neither figure
+    host_s = cap["stats"]["write_cpu_s"] + cap["stats"]["read_cpu_s"]
     capture_gb_s = cap_bytes / host_s / 1e9
     list_bytes = lst["state_bytes_per_sample"] * lst["tokens"] / TOKENS
-    list_gb_s = list_bytes / max(lst["wall_diff_s"], 1e-9) / 1e9
+    list_gb_s = list_bytes / max(lst["cpu_diff_s"], 1e-9) / 1e9
     extra_tokens = many["tokens"] - few["tokens"]
     extract_tps = extra_tokens / max(many["wall_s"] - few["wall_s"], 1e-3)
+    wall_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]
     print(
         f"plain_tokens_s={plain_tps:.0f} extract_tokens_s={extract_tps:.0f}"
-        f" list_gb_s={list_gb_s:.4f}"
-        f" capture_wall_us_per_token={cap['wall_diff_s'] / cap['tokens'] * 1e6:.1f}"
+        f" list_gb_s={list_gb_s:.4f} capture_wall_gb_s={cap_bytes / wall_s / 1e9:.2f}"
+        f" capture_cpu_diff_us_per_token={cap['cpu_diff_s'] / cap['tokens'] * 1e6:.1f}"
+        f" capture_wall_diff_us_per_token={cap['wall_diff_s'] / cap['tokens'] * 1e6:.1f}"
         f" state_kib_per_token={cap['state_bytes_per_sample'] / TOKENS / 1024:.1f}"
     )
+    memory = cap["memory_added_per_sample"] / cap["state_bytes_per_sample"]
     print(
         f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / list_gb_s:.0f}"
         f" host_us_per_token={host_s / cap['tokens'] * 1e6:.1f}"
-        f" peak_rss_per_sample={cap['memory_added_per_sample'] / cap['state_bytes_per_sample']:.2f}x"
-        f" extract_vs_forward={extract_tps / plain_tps:.2f}"
+        f" peak_rss_per_sample={memory:.2f}x extract_vs_forward={extract_tps / plain_tps:.2f}"
     )
     return 0
 

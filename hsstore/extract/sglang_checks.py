@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hsstore.errors import HsstoreError
-from hsstore.extract.sglang_capture import Capture, SlotReader
+from hsstore.extract.sglang_capture import Capture, SlotReader, bits
 from hsstore.stats import nonfinite_rows
 
 # How long a capture whose slot was claimed may take to arrive (a GPU's asynchronous copy).
@@ -80,9 +80,10 @@ def states_from_captures(
     """The ``[T, layers, H]`` states the hook wrote for request ``rid``, or a loud error.
 
     The tensor lies in the capture's slot, which goes back to the pool once the tensor is
-    freed. ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and this side's
-    ``read_s`` (waiting, mapping and the finiteness check)."""
-    t0 = time.perf_counter()
+    freed. ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and
+    ``write_cpu_s``, and this side's ``read_s`` and ``read_cpu_s`` (waiting, mapping and the
+    finiteness check)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     deadline = time.monotonic() + wait_s
     while reader.pending(rid):  # a GPU capture still on its way from the device
         if time.monotonic() > deadline:
@@ -122,13 +123,14 @@ def states_from_captures(
         )
     states = first.states
     assert states is not None
-    bits = states.view(torch.int16 if states.element_size() == 2 else torch.int32).numpy()
-    if nonfinite_rows(bits, first.dtype):
+    if nonfinite_rows(bits(states), first.dtype):
         raise _fail(sample_id, "non-finite values in hidden_states")
     if stats is not None:
         stats["bytes"] = stats.get("bytes", 0) + states.numel() * states.element_size()
         stats["write_s"] = stats.get("write_s", 0.0) + first.write_s
+        stats["write_cpu_s"] = stats.get("write_cpu_s", 0.0) + first.write_cpu_s
         stats["read_s"] = stats.get("read_s", 0.0) + time.perf_counter() - t0
+        stats["read_cpu_s"] = stats.get("read_cpu_s", 0.0) + time.thread_time() - c0
     return states
 
 

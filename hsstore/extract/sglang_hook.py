@@ -33,7 +33,9 @@ import threading
 import time
 from typing import Any
 
-from hsstore.extract.sglang_capture import SlotWriter, dtype_name, write_capture
+import numpy as np
+
+from hsstore.extract.sglang_capture import SlotWriter, bits, dtype_name, write_capture
 
 
 def append_final_state(output: Any, aux_width: int) -> bool:
@@ -180,12 +182,15 @@ class DeviceSink(HostSink):
             header = {"rid": rid, "prefix": prefix, "problem": None, "width": None}
             try:
                 done.synchronize()
-                slot.view(rows, layers, hidden, host.dtype).copy_(host)
+                c0 = time.thread_time()
+                np.copyto(bits(slot.view(rows, layers, hidden, host.dtype)), bits(host))
                 header.update(rows=rows, layers=layers, hidden=hidden, dtype=dtype_name(host.dtype))
                 header["write_s"] = time.perf_counter() - t0
+                header["write_cpu_s"] = time.thread_time() - c0
                 self.writer.publish(slot, header)
             except Exception as exc:  # the worker waits for this receipt: name the failure
                 header.update(rows=0, layers=0, hidden=0, dtype="float32", write_s=0.0)
+                header["write_cpu_s"] = 0.0
                 header["problem"] = f"the device-to-host copy failed: {type(exc).__name__}: {exc}"
                 self.writer.publish(slot, header)
             del stacked, host
