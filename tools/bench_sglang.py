@@ -6,22 +6,35 @@ the repository root: ``python -m tools.bench_sglang``. A random Llama of the see
 a small MLP and vocabulary keep the forward cheap), bf16, 512-token prompts in batches of 2.
 Each phase runs its engine in its own process (one engine per process):
 
-1. ``plain``: the engine with no aux capture and no hook, its forward alone;
-2. ``capture``: hsstore's backend (forward hook -> shared-memory capture files -> tensors),
-   batches alternating with the same prompts under request ids the hook ignores, so the
-   difference is the capture's host cost; the hook's write time and the worker's read time
-   are timed as well;
-3. ``lists``: the backend's list fallback (``return_hidden_states``), alternating the same way;
-4. ``hsstore extract --backend sglang`` on 2 and on 8 prompts: the wall difference over the
-   6 extra samples' tokens, so engine start-up is not counted.
+1. ``capture``: hsstore's backend (forward hook -> shared-memory slots -> tensors), each batch
+   paired with the same prompts under request ids the hook ignores; the hook's copy and the
+   worker's receipt and check are timed on their own threads (wall and CPU seconds);
+2. ``lists``: the backend's list fallback (``return_hidden_states``), paired the same way;
+3. ``plain``: the engine with no aux capture and no hook, its forward alone, run before and
+   after the extractions;
+4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the wall
+   difference over the extra prompts' tokens, so engine start-up is not counted.
 
-Peak host memory is sampled (RssAnon + RssShmem of the phase's process and its children every
-2 ms) over each batch, minus the same over the batch without capture, per sample.
+For each pair: the wall time, the CPU time of every process (this one and the engine's) and
+the peak private memory (RssAnon) with capture minus without; the capture's shared memory is
+the slot pool's size (each page once).
 
-Last line: ``capture_gb_s`` (states bytes / the larger of the capture's timed host work and
-its wall difference), ``capture_vs_list`` (that rate over the list path's), ``host_us_per_token``
-(wall difference per token), ``peak_rss_per_sample`` (bytes added per sample over its states'
-bytes), ``extract_vs_forward`` (hsstore extract's tokens/s over the plain forward's).
+Last line:
+
+* ``capture_gb_s``: state bytes / CPU seconds of the hook's copy plus the worker's check (each
+  on one thread, so this is the rate on one host core, and a machine whose cores are shared
+  with other work slows it little);
+* ``capture_vs_list``: that over the list path's rate, state bytes / the CPU seconds the list
+  path adds to the pair (median pair; the tolist, pickle and unpickle in SGLang's processes
+  and the conversion back in hsstore's);
+* ``host_us_per_token``: the capture's CPU microseconds per token;
+* ``peak_rss_per_sample``: memory the capture adds per in-flight sample (its slot pool plus
+  the median private-memory difference), over the sample's state bytes;
+* ``extract_vs_forward``: ``hsstore extract``'s tokens/s over the plain forward's (mean of its
+  two runs).
+
+The line before it gives the same in other units: wall-clock rates, and the paired
+differences per token in CPU and in wall time (the latter need an idle machine).
 """
 
 from __future__ import annotations
