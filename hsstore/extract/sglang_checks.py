@@ -1,7 +1,7 @@
 """Checks that each SGLang request gave one full row of states per prompt token, and nothing else.
 
-Two ways the states arrive (see :mod:`hsstore.extract.sglang_backend`): through capture files
-written by hsstore's forward hook (:func:`states_from_captures`, the default), or as nested
+Two ways the states arrive (see :mod:`hsstore.extract.sglang_backend`): through shared-memory
+slots written by hsstore's forward hook (:func:`states_from_captures`, the default), or as nested
 lists in the response (:func:`rows_from_response`, the named fallback). Both refuse anything
 but exactly T rows of the expected width computed in one forward with no cached prefix, and
 name the sample.

@@ -13,8 +13,10 @@ all N tokens of the batch and ``last_hidden_states`` the state the model handed 
 ``_get_last_hidden_states_to_store``). The hook reads the batch's layout from the
 ``ForwardBatch`` the model passes its logits processor (``rids``, ``extend_seq_lens_cpu``,
 ``extend_prefix_lens_cpu``) and, for each request whose id starts with hsstore's prefix,
-writes its rows into the worker's capture directory (:mod:`hsstore.extract.sglang_capture`),
-already in stored layer order. Requests ask for no hidden states, so the scheduler itself turns
+writes its rows into a slot of the worker's capture directory
+(:mod:`hsstore.extract.sglang_capture`), already in stored layer order: at once on the CPU
+(:class:`HostSink`), or on a GPU through an asynchronous copy into a pinned buffer that a
+thread moves into the slot once the copy's event has completed (:class:`DeviceSink`). Requests ask for no hidden states, so the scheduler itself turns
 none into lists (``managers/scheduler_components/batch_result_processor.py``
 ``_append_prefill_hidden_states`` returns early) and copies none to the host
 (``managers/utils.py`` ``copy_to_cpu``).
