@@ -150,3 +150,22 @@ def test_a_killed_workers_shared_memory_is_reclaimed_by_the_next_run(tiny, tmp_p
     after = capture_dirs()
     assert not left & after
     assert not {d for d in after - before if not sglang_capture._alive(int(d.split("-")[2]))}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_states_are_refused_in_every_dtype(tmp_path, dtype, bad):
+    hook, args, out = hook_and_batch(tmp_path)
+    out.hidden_states, out.last_hidden_states = (
+        out.hidden_states.to(dtype),
+        out.last_hidden_states.to(dtype),
+    )
+    reader = SlotReader(str(tmp_path))
+    kw = dict(num_tokens=3, layers=2, hidden_size=4, dtype=dtype, sample_id="s0")
+    hook(None, args, out)
+    assert states_from_captures(reader, "hs-a", **kw).isfinite().all()  # clean: accepted
+    out.last_hidden_states[2, 1] = bad
+    args[3].rids[0] = "hs-b"
+    hook(None, args, out)
+    with pytest.raises(SGLangResponseError, match="non-finite"):
+        states_from_captures(reader, "hs-b", **kw)
