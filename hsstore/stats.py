@@ -252,6 +252,11 @@ def row_absmax(stored: np.ndarray, dtype_name: str) -> np.ndarray:
     return np.maximum(positive, negative)
 
 
+def nonfinite_rows(stored: np.ndarray, dtype_name: str) -> int:
+    """How many rows of [T, L, H] (per layer) hold a NaN or an Inf, from the bit patterns."""
+    return int((row_absmax(stored, dtype_name) >= _BITS[dtype_name][2]).sum())
+
+
 def widen(stored: np.ndarray, dtype_name: str, out: np.ndarray) -> np.ndarray:
     """``stored`` (bf16 bit patterns, or float16/float32 values) as float32 values in
     ``out``."""

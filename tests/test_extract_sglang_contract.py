@@ -200,10 +200,12 @@ def test_every_capturing_model_hands_its_logits_processor_the_forward_batch(mode
 
 
 def test_capture_hook_writes_stored_layers_and_names_problems(tmp_path):
+    import gc
+
     import torch
     from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput
 
-    from hsstore.extract.sglang_capture import captures_of
+    from hsstore.extract.sglang_capture import SlotReader
     from hsstore.extract.sglang_hook import capture_hook
 
     h = 4
@@ -216,23 +218,28 @@ def test_capture_hook_writes_stored_layers_and_names_problems(tmp_path):
         "rid_prefix": "hs-",
     }
     hook = capture_hook(config)
+    reader = SlotReader(str(tmp_path))
     aux, last = torch.randn(5, 2 * h), torch.randn(5, h)
     batch = ForwardBatch(ForwardMode(True), ["hs-a", "other", "hs-b"], [2, 1, 2], [0, 0, 0])
     hook(None, (None, last, None, batch), LogitsOutput(aux, last))
-    (a,) = captures_of(str(tmp_path), "hs-a")
-    (b,) = captures_of(str(tmp_path), "hs-b")
+    (a,) = reader.captures_of("hs-a")
+    (b,) = reader.captures_of("hs-b")
     assert torch.equal(a.states, torch.stack([last[:2], aux[:2, :h]], dim=1))
     assert torch.equal(b.states, torch.stack([last[3:], aux[3:, :h]], dim=1))
-    assert captures_of(str(tmp_path), "other") == [] and list(tmp_path.iterdir()) == []
-    # a pre-norm state in place of the aux ones: a header naming it, no states
+    assert reader.captures_of("other") == []
+    del a, b
+    gc.collect()
+    slots = sorted(p.name for p in tmp_path.iterdir())
+    assert slots == ["free-0", "free-1"]  # both slots back in the pool
+    # a pre-norm state in place of the aux ones: a receipt naming it, no states, no slot
     hook(None, (None, last, None, batch), LogitsOutput(torch.randn(5, h), last))
-    (bad,) = captures_of(str(tmp_path), "hs-a")
+    (bad,) = reader.captures_of("hs-a")
     assert bad.states is None and bad.width == h and "width 4, expected 8" in bad.problem
-    assert captures_of(str(tmp_path), "hs-b")[0].problem == bad.problem
+    assert reader.captures_of("hs-b")[0].problem == bad.problem
     # decode forwards and other ranks write nothing
     decode = ForwardBatch(ForwardMode(False), ["hs-a"], None, None)
     hook(None, (None, last, None, decode), LogitsOutput(aux, last))
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == slots
 
 
 def test_capture_hook_writes_on_tp_rank_0_only(tmp_path, monkeypatch):

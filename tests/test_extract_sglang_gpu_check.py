@@ -9,7 +9,19 @@ from transformers import AutoConfig, AutoTokenizer
 
 from hsstore.extract.transformers_backend import TransformersBackend
 from hsstore.format.layers import LayerSpec
-from tools.gpu_check_sglang import CHUNK, build_check_models, chat_tokens, chunked_prompt_text
+from tools.gpu_check_sglang import (
+    CHUNK,
+    build_check_models,
+    capture_copy_check,
+    chat_tokens,
+    chunked_prompt_text,
+)
+
+
+def test_capture_copy_check_runs_on_the_host_sink():
+    report = capture_copy_check("cpu", rows=64, hidden=256)
+    assert report["sink"] == "HostSink" and report["equal"] and report["ok"]
+    assert report["gb_s"] > 0 and report["forward_held_us"] > 0
 
 
 def test_chunked_prefill_prompt_is_several_chunks_and_fits_the_context(tmp_path):

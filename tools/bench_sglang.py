@@ -6,27 +6,41 @@ the repository root: ``python -m tools.bench_sglang``. A random Llama of the see
 a small MLP and vocabulary keep the forward cheap), bf16, 512-token prompts in batches of 2.
 Each phase runs its engine in its own process (one engine per process):
 
-1. ``plain``: the engine with no aux capture and no hook, its forward alone;
-2. ``capture``: hsstore's backend (forward hook -> shared-memory capture files -> tensors),
-   batches alternating with the same prompts under request ids the hook ignores, so the
-   difference is the capture's host cost; the hook's write time and the worker's read time
-   are timed as well;
-3. ``lists``: the backend's list fallback (``return_hidden_states``), alternating the same way;
-4. ``hsstore extract --backend sglang`` on 2 and on 8 prompts: the wall difference over the
-   6 extra samples' tokens, so engine start-up is not counted.
+1. ``capture``: hsstore's backend (forward hook -> shared-memory slots -> tensors), each batch
+   paired with the same prompts under request ids the hook ignores; the hook's copy and the
+   worker's receipt and check are timed on their own threads (wall and CPU seconds);
+2. ``lists``: the backend's list fallback (``return_hidden_states``), paired the same way;
+3. ``plain``: the engine with no aux capture and no hook, its forward alone, run before and
+   after the extractions;
+4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the wall
+   difference over the extra prompts' tokens, so engine start-up is not counted.
 
-Peak host memory is sampled (RssAnon + RssShmem of the phase's process and its children every
-2 ms) over each batch, minus the same over the batch without capture, per sample.
+For each pair: the wall time, the CPU time of every process (this one and the engine's) and
+the peak private memory (RssAnon) with capture minus without; the capture's shared memory is
+the slot pool's size (each page once).
 
-Last line: ``capture_gb_s`` (states bytes / the larger of the capture's timed host work and
-its wall difference), ``capture_vs_list`` (that rate over the list path's), ``host_us_per_token``
-(wall difference per token), ``peak_rss_per_sample`` (bytes added per sample over its states'
-bytes), ``extract_vs_forward`` (hsstore extract's tokens/s over the plain forward's).
+Last line:
+
+* ``capture_gb_s``: state bytes / CPU seconds of the hook's copy plus the worker's check (each
+  on one thread, so this is the rate on one host core, and a machine whose cores are shared
+  with other work slows it little);
+* ``capture_vs_list``: that over the list path's rate, state bytes / the CPU seconds the list
+  path adds to the pair (median pair; the tolist, pickle and unpickle in SGLang's processes
+  and the conversion back in hsstore's);
+* ``host_us_per_token``: the capture's CPU microseconds per token;
+* ``peak_rss_per_sample``: memory the capture adds per in-flight sample (its slot pool plus
+  the median private-memory difference), over the sample's state bytes;
+* ``extract_vs_forward``: ``hsstore extract``'s tokens/s over the plain forward's (mean of its
+  two runs).
+
+The line before it gives the same in other units: wall-clock rates, and the paired
+differences per token in CPU and in wall time (the latter need an idle machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +56,7 @@ LAYERS = 4
 LAYER_SPEC = "1,2,3,final"
 TOKENS = 512
 BATCH = 2
+FEW = 2  # prompts of the shorter extraction; the longer one's extra prompts are what counts
 
 
 def build_model(out: Path) -> Path:
@@ -90,48 +105,60 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
     return out
 
 
-class PeakRss:
-    """Peak RssAnon + RssShmem of this process and its children, sampled every 2 ms."""
+def _tree() -> list[Any]:
+    import psutil
 
-    def __init__(self):
-        self.peak = 0
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def cpu_s(procs: list[Any]) -> float:
+    """CPU seconds used so far by ``procs`` (this process and the engine's)."""
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(OSError):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+class PeakMemory:
+    """Peak private memory (RssAnon) of ``procs``, sampled every 5 ms, and of the shared memory
+    a capture directory holds (each page once, however many processes map it)."""
+
+    def __init__(self, procs: list[Any], capture_dir: str | None):
+        self.procs, self.capture_dir = procs, capture_dir
+        self.anon = self.shared = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    @staticmethod
-    def now() -> int:
-        import psutil
-
-        procs = [psutil.Process()]
-        procs += procs[0].children(recursive=True)
-        total = 0
-        for p in procs:
-            try:
+    def _sample(self) -> None:
+        anon = 0
+        for p in self.procs:
+            with contextlib.suppress(OSError):
                 for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                    if line.startswith(("RssAnon:", "RssShmem:")):
-                        total += int(line.split()[1]) * 1024
-            except OSError:
-                pass
-        return total
+                    if line.startswith("RssAnon:"):
+                        anon += int(line.split()[1]) * 1024
+        shared = 0
+        if self.capture_dir:
+            for entry in os.scandir(self.capture_dir):
+                with contextlib.suppress(OSError):  # a slot renamed while scanning
+                    shared += entry.stat().st_blocks * 512
+        self.anon, self.shared = max(self.anon, anon), max(self.shared, shared)
 
     def _run(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.002)
+            self._sample()
+            time.sleep(0.005)
 
     def __enter__(self):
-        self.base = self.now()
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.now())
-
-    @property
-    def added(self) -> int:
-        return max(0, self.peak - self.base)
+        self._sample()
 
 
 def _engine_args(model: str) -> dict[str, Any]:
@@ -185,6 +212,9 @@ def _fraction(model: str) -> float:
 
 
 def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[str, Any]:
+    """Batches through hsstore's backend, each paired with the same prompts under request ids
+    the capture ignores, in one engine: the pair's difference in wall time, in CPU time of
+    every process, and in private memory is what the capture costs."""
     import warnings
 
     from hsstore.extract.layer_select import parse_layers
@@ -196,38 +226,42 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
         backend = SGLangBackend(model, layers, dtype="bfloat16", device="cpu", capture=capture)
     try:
         data = prompts(BATCH * (batches + 1), vocab)
-        backend.run(data[:BATCH])
         _plain_generate(backend.engine, data[:BATCH], "warm")
+        states = backend.run(data[:BATCH])  # first use of the slots: their pages are faulted
+        state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
+        del states
         backend.capture_stats.clear()
-        with_s = without_s = 0.0
-        added_with = added_without = 0
-        state_bytes = 0
+        procs = _tree()
+        walls, cpus, anons, shared = [], [], [], 0
         for b in range(1, batches + 1):
             batch = data[b * BATCH : (b + 1) * BATCH]
-            with PeakRss() as rss:
-                t0 = time.perf_counter()
+            with PeakMemory(procs, backend.capture_dir) as without:
+                c0, t0 = cpu_s(procs), time.perf_counter()
                 _plain_generate(backend.engine, batch, "nocap")
-                without_s += time.perf_counter() - t0
-            added_without = max(added_without, rss.added)
-            with PeakRss() as rss:
-                t0 = time.perf_counter()
+                wall, cpu = time.perf_counter() - t0, cpu_s(procs) - c0
+            with PeakMemory(procs, backend.capture_dir) as mem:
+                c0, t0 = cpu_s(procs), time.perf_counter()
                 states = backend.run(batch)
-                for s in states:  # what the writer does first: read every value
-                    s.sum()
-                with_s += time.perf_counter() - t0
-            added_with = max(added_with, rss.added)
-            state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
-            del states
+                walls.append(time.perf_counter() - t0 - wall)
+                cpus.append(cpu_s(procs) - c0 - cpu)
+                del states  # the writer is done with them: their slots are free again
+            anons.append(mem.anon - without.anon)
+            shared = max(shared, mem.shared)
     finally:
         backend.close()
     return {
         "tokens": batches * BATCH * TOKENS,
-        "with_s": with_s,
-        "without_s": without_s,
+        "wall_diff_s": _median(walls) * batches,
+        "cpu_diff_s": _median(cpus) * batches,
         "stats": dict(backend.capture_stats),
         "state_bytes_per_sample": state_bytes,
-        "rss_added_per_sample": max(0, added_with - added_without) / BATCH,
+        # the slots (shared, kept for reuse) and what else the capture allocates, per sample
+        "memory_added_per_sample": (shared + max(0, _median(anons))) / BATCH,
     }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
@@ -285,8 +319,8 @@ def _in_process(fn, *args) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--list-batches", type=int, default=2)
-    parser.add_argument("--extract-rows", type=int, default=8)
+    parser.add_argument("--list-batches", type=int, default=1)
+    parser.add_argument("--extract-rows", type=int, default=18)
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -294,35 +328,49 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = str(build_model(work))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    extra_batches = (args.extract_rows - FEW) // BATCH
+
+    def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
+        result = _in_process(fn, *fn_args)
+        print(json.dumps({name: result}), flush=True)  # a long run shows where it is
+        return result
+
     report: dict[str, Any] = {}
-    report["plain"] = _in_process(phase_plain, model, args.batches, vocab)
-    report["capture"] = _in_process(phase_backend, model, "shm", args.batches, vocab)
-    report["lists"] = _in_process(phase_backend, model, "lists", args.list_batches, vocab)
-    few = _in_process(phase_extract, model, str(work), 2)
-    many = _in_process(phase_extract, model, str(work), args.extract_rows)
+    report["capture"] = phase("capture", phase_backend, model, "shm", args.batches, vocab)
+    report["lists"] = phase("lists", phase_backend, model, "lists", args.list_batches, vocab)
+    # the plain forward on both sides of the extractions, as many batches as they differ by
+    before = phase("plain_before", phase_plain, model, extra_batches, vocab)
+    few = phase("extract_few", phase_extract, model, str(work), FEW)
+    many = phase("extract_many", phase_extract, model, str(work), args.extract_rows)
+    after = phase("plain_after", phase_plain, model, extra_batches, vocab)
+    report["plain"] = {"before": before, "after": after}
     report["extract"] = {"few": few, "many": many}
     print(json.dumps(report, indent=2))
 
-    plain_tps = report["plain"]["tokens"] / report["plain"]["wall_s"]
+    plain_tps = sum(r["tokens"] / r["wall_s"] for r in (before, after)) / 2
     cap, lst = report["capture"], report["lists"]
     cap_bytes = cap["state_bytes_per_sample"] * cap["tokens"] / TOKENS
-    timed = cap["stats"].get("write_s", 0.0) + cap["stats"].get("read_s", 0.0)
-    cap_wall = cap["with_s"] - cap["without_s"]
-    capture_gb_s = cap_bytes / max(timed, cap_wall, 1e-9) / 1e9
+    # the hook's copy and the worker's check, each on one thread: CPU seconds, so a machine
+    # whose cores are shared slows neither figure
+    host_s = cap["stats"]["write_cpu_s"] + cap["stats"]["read_cpu_s"]
+    capture_gb_s = cap_bytes / host_s / 1e9
     list_bytes = lst["state_bytes_per_sample"] * lst["tokens"] / TOKENS
-    list_gb_s = list_bytes / max(lst["with_s"] - lst["without_s"], 1e-9) / 1e9
-    # a negative wall difference means the machine's load varied more than the extra work took
-    extract_tps = (many["tokens"] - few["tokens"]) / max(many["wall_s"] - few["wall_s"], 1e-3)
+    list_gb_s = list_bytes / max(lst["cpu_diff_s"], 1e-9) / 1e9
+    extra_tokens = many["tokens"] - few["tokens"]
+    extract_tps = extra_tokens / max(many["wall_s"] - few["wall_s"], 1e-3)
+    wall_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]
     print(
-        f"plain_tokens_s={plain_tps:.0f} capture_timed_gb_s={cap_bytes / max(timed, 1e-9) / 1e9:.2f}"
-        f" list_gb_s={list_gb_s:.4f} extract_tokens_s={extract_tps:.0f}"
+        f"plain_tokens_s={plain_tps:.0f} extract_tokens_s={extract_tps:.0f}"
+        f" list_gb_s={list_gb_s:.4f} capture_wall_gb_s={cap_bytes / wall_s / 1e9:.2f}"
+        f" capture_cpu_diff_us_per_token={cap['cpu_diff_s'] / cap['tokens'] * 1e6:.1f}"
+        f" capture_wall_diff_us_per_token={cap['wall_diff_s'] / cap['tokens'] * 1e6:.1f}"
         f" state_kib_per_token={cap['state_bytes_per_sample'] / TOKENS / 1024:.1f}"
     )
+    memory = cap["memory_added_per_sample"] / cap["state_bytes_per_sample"]
     print(
-        f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / max(list_gb_s, 1e-12):.0f}"
-        f" host_us_per_token={cap_wall / cap['tokens'] * 1e6:.1f}"
-        f" peak_rss_per_sample={cap['rss_added_per_sample'] / cap['state_bytes_per_sample']:.2f}x"
-        f" extract_vs_forward={extract_tps / plain_tps:.2f}"
+        f"capture_gb_s={capture_gb_s:.2f} capture_vs_list={capture_gb_s / list_gb_s:.0f}"
+        f" host_us_per_token={host_s / cap['tokens'] * 1e6:.1f}"
+        f" peak_rss_per_sample={memory:.2f}x extract_vs_forward={extract_tps / plain_tps:.2f}"
     )
     return 0
 

@@ -20,6 +20,12 @@ with the float32 reference about as well as transformers in bf16 does: relative 
 half the distance between the reference's own stored layers. A wrong layer id would be off by
 a whole layer, so this separates "right layer, different kernels" from "wrong layer".
 
+Then it times the capture path alone (:func:`capture_copy_check`): bf16 states of the seed's
+width on the GPU through the forward hook's sink, a device-to-host copy into a pinned buffer
+that the forward does not wait for, then into a shared-memory slot the worker maps. It reports
+how long the forward is held per capture, the rate end to end, and fails unless the bytes
+arrive unchanged.
+
 Then (informational, not part of the verdict) it starts an engine with chunked prefill left on
 (chunks of 128 tokens) and a prompt several chunks long that still fits the model's context,
 to show whether the adapter's row-count assertion fires when SGLang returns fewer rows than
@@ -224,6 +230,53 @@ def chunked_prefill_is_caught(model: str, data_dir: Path) -> dict[str, Any]:
     return {"caught": False, "note": "sglang returned every row even with chunked prefill on"}
 
 
+def capture_copy_check(device: str = "cuda", rows: int = 4096, hidden: int = 7168) -> dict:
+    """The capture path alone: four ``[rows, hidden]`` bf16 blocks on ``device`` through the
+    hook's sink (on a GPU: device -> pinned buffer asynchronously -> slot) to the worker's
+    tensor. Reports how long the forward is held per capture, the rate end to end, and whether
+    the bytes arrived unchanged."""
+    import shutil
+
+    import torch
+
+    from hsstore.extract.sglang_capture import SlotReader, make_capture_dir
+    from hsstore.extract.sglang_checks import states_from_captures
+    from hsstore.extract.sglang_hook import sink_for
+
+    layers = 4
+    x = torch.randn(rows, layers * hidden, device=device).to(torch.bfloat16)
+    blocks = [x[:, j * hidden : (j + 1) * hidden] for j in range(layers)]
+    want = torch.stack(blocks, dim=1).cpu()
+    directory = make_capture_dir()
+    try:
+        sink, reader = sink_for(x, directory), SlotReader(directory)
+        held = total = 0.0
+        rounds, equal = 5, True
+        for i in range(rounds + 1):  # the first round faults the slot in and is not timed
+            t0 = time.perf_counter()
+            sink.write(f"hs-{i}", 0, blocks)
+            t1 = time.perf_counter()
+            got = states_from_captures(
+                reader, f"hs-{i}", num_tokens=rows, layers=layers, hidden_size=hidden,
+                dtype=torch.bfloat16, sample_id=f"copy-{i}",
+            )  # fmt: skip
+            equal = equal and torch.equal(got, want)
+            del got
+            if i:
+                held, total = held + t1 - t0, total + time.perf_counter() - t0
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    nbytes = want.numel() * want.element_size() * rounds
+    return {
+        "device": device,
+        "sink": type(sink).__name__,
+        "gb_s": nbytes / total / 1e9,
+        "forward_held_us": held / rounds * 1e6,
+        "equal": equal,
+        "ok": equal,
+    }
+
+
 def check_model(model: str, work: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The three extractions of one model and the verdict on SGLang's states."""
     work.mkdir(parents=True, exist_ok=True)
@@ -293,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             report["models"][name] = check_model(model, work / name, data, args)
         except Exception as exc:  # one model's failure is reported, the others still run
             report["models"][name] = {"model": model, "ok": False, "error": f"{exc!r}"}
+    report["capture_copy"] = capture_copy_check("cuda")
     if not args.skip_chunked_check:
         # informational: shows what the row-count assertion does when SGLang drops rows
         first = next(iter(models.values()))
         report["chunked_prefill"] = chunked_prefill_is_caught(first, work)
-    report["ok"] = all(r["ok"] for r in report["models"].values())
+    report["ok"] = report["capture_copy"]["ok"] and all(r["ok"] for r in report["models"].values())
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 

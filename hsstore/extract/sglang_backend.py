@@ -12,12 +12,13 @@ How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``)
 * **States travel as tensors.** A forward hook, attached through SGLang's own
   ``forward_hooks`` server argument (``model_executor/hook_manager.py``), copies each hsstore
   request's rows, aux captures and final state, from the logits processor's output into a
-  capture file in shared memory that this worker owns (:mod:`hsstore.extract.sglang_hook`,
-  :mod:`hsstore.extract.sglang_capture`), keyed by the request id hsstore chose. Requests ask
-  for no hidden states, so the response is a small receipt (token counts, finish reason) and
-  the scheduler builds no Python lists. The worker maps the file and hands its pages to the
-  writer as a ``[T, L, H]`` tensor in the engine's dtype: one copy of a sample's states in host
-  memory, none on the way. With tensor parallelism only TP rank 0 writes (every rank holds the
+  slot of a reused pool in shared memory that this worker owns (:mod:`hsstore.extract.
+  sglang_hook`, :mod:`hsstore.extract.sglang_capture`), named after the request id hsstore
+  chose. Requests ask for no hidden states, so the response is a small receipt (token counts,
+  finish reason) and the scheduler builds no Python lists. The worker hands the slot's pages
+  (mapped once) to the writer as a ``[T, L, H]`` tensor in the engine's dtype, and the slot is
+  free again when that tensor is: one copy of a sample's states in host memory, none on the
+  way. With tensor parallelism only TP rank 0 writes (every rank holds the
   full residual stream). ``capture="lists"`` (or ``HSSTORE_SGLANG_CAPTURE=lists``) keeps
   SGLang's own ``return_hidden_states`` path as a fallback, with a warning: the scheduler turns
   every value into a Python float (``managers/scheduler_components/batch_result_processor.py``
@@ -68,7 +69,7 @@ import torch
 
 from hsstore.errors import BadInputError
 from hsstore.extract.chat_tokens import TokenizedPrompt
-from hsstore.extract.sglang_capture import make_capture_dir
+from hsstore.extract.sglang_capture import SlotReader, make_capture_dir
 from hsstore.extract.sglang_checks import (
     SGLangResponseError,
     check_meta,
@@ -304,6 +305,7 @@ class SGLangBackend:
                 model_dir, text_config, checkpoint_dtype=checkpoint, dtype=dtype_name
             )
         self.capture_dir = make_capture_dir() if self.capture == "shm" else None
+        self._slots = SlotReader(self.capture_dir) if self.capture_dir else None
         self._rid_prefix = f"hsstore-{uuid.uuid4().hex[:12]}-"
         self._rids = itertools.count()
         # bytes captured, the scheduler's write_s and this worker's read_s (tools/bench_sglang.py)
@@ -370,7 +372,7 @@ class SGLangBackend:
             check_meta(response, num_tokens=p.num_tokens, sample_id=p.sample_id, rid=rid)
             out.append(
                 states_from_captures(
-                    self.capture_dir,
+                    self._slots,
                     rid,
                     num_tokens=p.num_tokens,
                     layers=len(self.layers),

@@ -1,7 +1,7 @@
 """Checks that each SGLang request gave one full row of states per prompt token, and nothing else.
 
-Two ways the states arrive (see :mod:`hsstore.extract.sglang_backend`): through capture files
-written by hsstore's forward hook (:func:`states_from_captures`, the default), or as nested
+Two ways the states arrive (see :mod:`hsstore.extract.sglang_backend`): through shared-memory
+slots written by hsstore's forward hook (:func:`states_from_captures`, the default), or as nested
 lists in the response (:func:`rows_from_response`, the named fallback). Both refuse anything
 but exactly T rows of the expected width computed in one forward with no cached prefix, and
 name the sample.
@@ -16,7 +16,11 @@ import numpy as np
 import torch
 
 from hsstore.errors import HsstoreError
-from hsstore.extract.sglang_capture import Capture, captures_of
+from hsstore.extract.sglang_capture import Capture, SlotReader, bits
+from hsstore.stats import nonfinite_rows
+
+# How long a capture whose slot was claimed may take to arrive (a GPU's asynchronous copy).
+PENDING_WAIT_S = 60.0
 
 
 class SGLangResponseError(HsstoreError):
@@ -62,7 +66,7 @@ def check_meta(response: Any, *, num_tokens: int, sample_id: str, rid: str | Non
 
 
 def states_from_captures(
-    directory: str,
+    reader: SlotReader,
     rid: str,
     *,
     num_tokens: int,
@@ -71,13 +75,25 @@ def states_from_captures(
     dtype: torch.dtype,
     sample_id: str,
     stats: dict[str, float] | None = None,
+    wait_s: float = PENDING_WAIT_S,
 ) -> torch.Tensor:
     """The ``[T, layers, H]`` states the hook wrote for request ``rid``, or a loud error.
 
-    ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and this side's
-    ``read_s`` (mapping and the finiteness check)."""
-    t0 = time.perf_counter()
-    caps: list[Capture] = captures_of(directory, rid)
+    The tensor lies in the capture's slot, which goes back to the pool once the tensor is
+    freed. ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and
+    ``write_cpu_s``, and this side's ``read_s`` and ``read_cpu_s`` (waiting, mapping and the
+    finiteness check)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    deadline = time.monotonic() + wait_s
+    while reader.pending(rid):  # a GPU capture still on its way from the device
+        if time.monotonic() > deadline:
+            raise _fail(
+                sample_id,
+                f"the capture of request {rid} was started but not finished within {wait_s:.0f}"
+                " s (the engine's forward hook stopped while writing it)",
+            )
+        time.sleep(0.001)
+    caps: list[Capture] = reader.captures_of(rid)
     if not caps:
         raise _fail(
             sample_id,
@@ -107,20 +123,15 @@ def states_from_captures(
         )
     states = first.states
     assert states is not None
-    if not _finite(states):
+    if nonfinite_rows(bits(states), first.dtype):
         raise _fail(sample_id, "non-finite values in hidden_states")
     if stats is not None:
         stats["bytes"] = stats.get("bytes", 0) + states.numel() * states.element_size()
         stats["write_s"] = stats.get("write_s", 0.0) + first.write_s
+        stats["write_cpu_s"] = stats.get("write_cpu_s", 0.0) + first.write_cpu_s
         stats["read_s"] = stats.get("read_s", 0.0) + time.perf_counter() - t0
+        stats["read_cpu_s"] = stats.get("read_cpu_s", 0.0) + time.thread_time() - c0
     return states
-
-
-def _finite(states: torch.Tensor, rows: int = 256) -> bool:
-    """All values finite, checked a few rows at a time so the check holds no second copy."""
-    return all(
-        bool(torch.isfinite(states[i : i + rows]).all()) for i in range(0, len(states), rows)
-    )
 
 
 def rows_from_response(

@@ -13,8 +13,10 @@ all N tokens of the batch and ``last_hidden_states`` the state the model handed 
 ``_get_last_hidden_states_to_store``). The hook reads the batch's layout from the
 ``ForwardBatch`` the model passes its logits processor (``rids``, ``extend_seq_lens_cpu``,
 ``extend_prefix_lens_cpu``) and, for each request whose id starts with hsstore's prefix,
-writes its rows into the worker's capture directory (:mod:`hsstore.extract.sglang_capture`),
-already in stored layer order. Requests ask for no hidden states, so the scheduler itself turns
+writes its rows into a slot of the worker's capture directory
+(:mod:`hsstore.extract.sglang_capture`), already in stored layer order: at once on the CPU
+(:class:`HostSink`), or on a GPU through an asynchronous copy into a pinned buffer that a
+thread moves into the slot once the copy's event has completed (:class:`DeviceSink`). Requests ask for no hidden states, so the scheduler itself turns
 none into lists (``managers/scheduler_components/batch_result_processor.py``
 ``_append_prefill_hidden_states`` returns early) and copies none to the host
 (``managers/utils.py`` ``copy_to_cpu``).
@@ -28,9 +30,14 @@ request with ``return_hidden_states=True`` carries ``[T, (K+1)*H]`` as nested li
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from typing import Any
 
-from hsstore.extract.sglang_capture import write_capture
+import numpy as np
+
+from hsstore.extract.sglang_capture import SlotWriter, bits, dtype_name, write_capture
 
 
 def append_final_state(output: Any, aux_width: int) -> bool:
@@ -64,8 +71,9 @@ def _forward_batch(args: tuple) -> Any:
     return None
 
 
-def capture_states(output: Any, args: tuple, config: dict[str, Any]) -> int:
-    """Write the capture of every hsstore request in this forward; returns how many."""
+def capture_states(output: Any, args: tuple, config: dict[str, Any], sink: Any) -> int:
+    """Hand ``sink`` (:class:`HostSink` or :class:`DeviceSink`) the capture of every hsstore
+    request in this forward; returns how many."""
     import torch
 
     batch = _forward_batch(args)
@@ -102,9 +110,7 @@ def capture_states(output: Any, args: tuple, config: dict[str, Any]) -> int:
     for i in ours:
         rid, start, rows = str(batch.rids[i]), starts[i], lens[i]
         if problem:
-            write_capture(
-                config["dir"], rid, prefix=prefixes[i], blocks=[], problem=problem, width=width
-            )
+            sink.problem(rid, prefixes[i], problem, width)
             continue
         blocks = []
         for j in layout:  # stored layer order: block j of the aux states, or the final state
@@ -113,8 +119,90 @@ def capture_states(output: Any, args: tuple, config: dict[str, Any]) -> int:
             else:
                 src = aux[start : start + rows, j * hidden : (j + 1) * hidden]
             blocks.append(src.to(aux.dtype))
-        write_capture(config["dir"], rid, prefix=prefixes[i], blocks=blocks)
+        try:
+            sink.write(rid, prefixes[i], blocks)
+        except Exception as exc:  # never the scheduler's crash: the worker names the sample
+            sink.problem(rid, prefixes[i], f"the capture failed: {type(exc).__name__}: {exc}")
     return len(ours)
+
+
+class HostSink:
+    """States already in host memory (SGLang's CPU engine): copied into a slot at once."""
+
+    def __init__(self, directory: str):
+        self.writer = SlotWriter(directory)
+
+    def write(self, rid: str, prefix: int, blocks: list[Any]) -> None:
+        write_capture(self.writer, rid, prefix=prefix, blocks=blocks)
+
+    def problem(self, rid: str, prefix: int, problem: str, width: int | None = None) -> None:
+        write_capture(self.writer, rid, prefix=prefix, blocks=[], problem=problem, width=width)
+
+
+class DeviceSink(HostSink):
+    """States on a GPU: gathered on the device, copied asynchronously into a pinned host
+    buffer, and moved into the slot by a thread once the copy's event has completed, so the
+    forward never waits for the device-to-host copy. The slot is claimed at once (its
+    temporary name tells the worker the capture is on its way)."""
+
+    def __init__(self, directory: str):
+        super().__init__(directory)
+        self._queue: queue.Queue = queue.Queue()
+        self._pinned: list[Any] = []  # free pinned buffers, reused
+        self._lock = threading.Lock()
+        threading.Thread(target=self._finish, name="hsstore-capture", daemon=True).start()
+
+    def write(self, rid: str, prefix: int, blocks: list[Any]) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        stacked = torch.stack(blocks, dim=1)  # [rows, layers, hidden], contiguous on the device
+        nbytes = stacked.numel() * stacked.element_size()
+        slot = self.writer.claim(rid, prefix, nbytes)
+        buf = self._buffer(nbytes)
+        host = buf[:nbytes].view(stacked.dtype).view(stacked.shape)
+        host.copy_(stacked, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._queue.put((done, stacked, buf, host, slot, rid, prefix, t0))
+
+    def _buffer(self, nbytes: int) -> Any:
+        import torch
+
+        with self._lock:
+            fits = [b for b in self._pinned if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._pinned.remove(buf)
+                return buf
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _finish(self) -> None:
+        while True:
+            done, stacked, buf, host, slot, rid, prefix, t0 = self._queue.get()
+            rows, layers, hidden = host.shape
+            header = {"rid": rid, "prefix": prefix, "problem": None, "width": None}
+            try:
+                done.synchronize()
+                c0 = time.thread_time()
+                np.copyto(bits(slot.view(rows, layers, hidden, host.dtype)), bits(host))
+                header.update(rows=rows, layers=layers, hidden=hidden, dtype=dtype_name(host.dtype))
+                header["write_s"] = time.perf_counter() - t0
+                header["write_cpu_s"] = time.thread_time() - c0
+                self.writer.publish(slot, header)
+            except Exception as exc:  # the worker waits for this receipt: name the failure
+                header.update(rows=0, layers=0, hidden=0, dtype="float32", write_s=0.0)
+                header["write_cpu_s"] = 0.0
+                header["problem"] = f"the device-to-host copy failed: {type(exc).__name__}: {exc}"
+                self.writer.publish(slot, header)
+            del stacked, host
+            with self._lock:
+                self._pinned.append(buf)
+
+
+def sink_for(states: Any, directory: str) -> HostSink:
+    """The sink for states where ``states`` lie: a GPU's, or the host's."""
+    return (DeviceSink if getattr(states, "is_cuda", False) else HostSink)(directory)
 
 
 def capture_hook(config: dict[str, Any]):
@@ -131,12 +219,15 @@ def capture_hook(config: dict[str, Any]):
             append_final_state(output, aux_width)
 
         return append
-    rank: list[int] = []
+    state: dict[str, Any] = {}
 
     def hook(module: Any, args: Any, output: Any) -> None:
-        if not rank:  # distributed state exists once the model runs, not when hooks load
-            rank.append(_tp_rank())
-        if rank[0] == 0:
-            capture_states(output, args, config)
+        if not state:  # distributed state exists once the model runs, not when hooks load
+            state["rank"] = _tp_rank()
+        if state["rank"] != 0:
+            return
+        if "sink" not in state:
+            state["sink"] = sink_for(getattr(output, "hidden_states", None), config["dir"])
+        capture_states(output, args, config, state["sink"])
 
     return hook
