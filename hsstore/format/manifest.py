@@ -2,10 +2,9 @@
 
 A version file is either a full manifest (``Manifest``: version 1 and every checkpoint) or a
 delta (``Delta``: the segments one commit adds). Every one hsstore writes or reads is validated
-against the manifest JSON Schema (`hsstore.format.schema`, read as package data) and carries an XXH3-64
-checksum of its canonical JSON, checked on every load, so an edited byte is refused instead of
-decoded into wrong numbers.
-A manifest from a newer format version is refused instead of misread.
+against the manifest JSON Schema (`hsstore.format.schema`) and carries an XXH3-64 checksum of
+its canonical JSON, checked on every load, so an edited byte is refused instead of decoded into
+wrong numbers; a manifest from a newer format version is refused instead of misread.
 """
 
 from __future__ import annotations
