@@ -245,8 +245,8 @@ def gc(
     comes later refuses to publish it. See docs/DESIGN.md, "Leases and gc".
 
     keep_versions: also delete manifest versions older than the newest ``keep_versions``
-    (None keeps every version; their segments are kept either way, since segments are only
-    ever added).
+    (None keeps every version; pruning never removes a segment: only a version gc published
+    to condemn it, or a recorded repair, does).
     """
     report = GcReport()
     versions = list_versions(storage)

@@ -42,12 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m hsstore.trainers.eagle3", description=__doc__.split("\n")[0]
     )
-    p.add_argument(
-        "--data", required=True, help="hsstore dataset: a path or s3://, gs://, az:// URL"
-    )
-    p.add_argument(
-        "--target", help="local target model dir (safetensors): soft targets + embedding"
-    )
+    p.add_argument("--data", required=True, help="hsstore dataset: a path or s3/gs/az URL")
+    p.add_argument("--target", help="target model dir (safetensors): soft targets + embedding")
     p.add_argument("--out", required=True, help="output directory (checkpoint/ goes here)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in the whole run")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -92,10 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=4, help="loader decode threads")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK if available, else cpu")
-    p.add_argument(
-        "--samples-log",
-        help="write each step's sample positions to PATH.rank<R>.json (checks data coverage)",
-    )
+    p.add_argument("--samples-log", help="write each step's sample positions to PATH.rank<R>.jsonl")
     return p.parse_args(argv)
 
 
