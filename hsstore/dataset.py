@@ -393,18 +393,14 @@ class Dataset:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i`` into ``out``, checked by `_check_out`; for an ``out`` that takes
         ``values``, decode the fp8 states, then dequantize them into it."""
-        if not values:
-            ids, mask, scales = self._decode(
-                i, layers, storage_view(out), columns=columns, threads=threads
-            )
-            return ids, mask, tiers.scales_for_layers(scales, layers)
-        stored = torch.empty(out.shape, dtype=self.manifest.torch_dtype)
+        target = torch.empty(out.shape, dtype=self.manifest.torch_dtype) if values else out
         ids, mask, scales = self._decode(
-            i, layers, storage_view(stored), columns=True, threads=threads
+            i, layers, storage_view(target), columns=columns or values, threads=threads
         )
-        assert scales is not None  # a dataset whose values dequantize has scales
         scales = tiers.scales_for_layers(scales, layers)
-        fp8.dequantize(stored, torch.from_numpy(scales.copy()), out.dtype, out=out)
+        if values:
+            assert scales is not None  # a dataset whose values dequantize has scales
+            fp8.dequantize(target, torch.from_numpy(scales.copy()), out.dtype, out=out)
         return ids, mask, scales
 
     def _decode(
