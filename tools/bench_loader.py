@@ -16,6 +16,12 @@ DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batch
 * codec: the codec alone on one core, as `tools/bench_codec.py` times it: every chunk of the
   compressed copy, held in memory, decoded (crc checked) into one reused buffer; the compressed
   loader with one decode thread is measured against it (``loader_vs_codec``);
+* codec-mapped: the codec alone again, but reading as a loader must: each shard file memory-
+  mapped, its chunks decoded (no crc: a loader checks the whole sample instead) one after
+  another into a batch-sized buffer, the mapping's pages dropped after the shard so that the
+  process does not keep the dataset resident. The page faults of mapping the page cache and the
+  writes of batches far larger than the caches are what any reader of these files pays on top
+  of the codec; the loader is measured against this too (``loader_vs_codec_mapped``);
 * cold: the ceiling and the loaders again after evicting the files from the page cache with
   ``posix_fadvise(DONTNEED)`` (only our files; other processes' caches are left alone).
 
@@ -24,11 +30,12 @@ best of ``--repeat`` further epochs, cold ones a single epoch after the eviction
 hidden-state bytes delivered (tokens x layers x hidden x itemsize). The last line is::
 
     loader_vs_ceiling=.. loader_vs_v1=.. compressed_gb_s_per_core=.. codec_gb_s=..
-    loader_vs_codec=.. peak_rss_mb=..
+    loader_vs_codec=.. loader_vs_codec_mapped=.. peak_rss_mb=..
 
 (loader = uncompressed, all cores, warm; ceiling with as many threads; codec_gb_s = the codec's
 own single-core decode rate, loader_vs_codec = the compressed loader on one decode thread
-against it; peak RSS = the largest of the hsstore loader cases).
+against it, loader_vs_codec_mapped = the same against the codec reading mapped files into
+batches; peak RSS = the largest of the hsstore loader cases).
 """
 
 from __future__ import annotations
@@ -176,9 +183,8 @@ def _direct_runner(path: Path, max_tokens: int):
     return run
 
 
-def _codec_runner(path: Path):
-    """The codec alone, one core: every chunk of the dataset at ``path``, read into memory
-    first, decoded (crc checked) into one reused buffer; returns the decoded bytes."""
+def _held_chunks(path: Path):
+    """The dataset at ``path``, its codec and, per shard, the file and its chunks' ranges."""
     import hsstore
     from hsstore.format import paths
     from hsstore.format.codecs import ChunkCodec
@@ -186,20 +192,60 @@ def _codec_runner(path: Path):
 
     ds = hsstore.open(path)
     man = ds.manifest
-    codec = ChunkCodec(man.codec, man.storage_dtype.itemsize)
-    chunks = []
+    shards = []
     for k in range(len(man.segments)):
         reader = ds.segment_reader(k)
         for shard in range(reader.info.num_shards):
-            data = memoryview(reader.storage.read_bytes(reader.key(paths.shard_relpath(shard))))
+            key = reader.key(paths.shard_relpath(shard))
             entries = reader.shard_index(shard).entries.reshape(-1, 2).tolist()
-            chunks += [data[o : o + n] for o, n in entries if o != EMPTY]
+            shards.append((reader.storage, key, [(o, n) for o, n in entries if o != EMPTY]))
+    return man, ChunkCodec(man.codec, man.storage_dtype.itemsize), shards
+
+
+def _codec_runner(path: Path):
+    """The codec alone, one core: every chunk of the dataset at ``path``, read into memory
+    first, decoded (crc checked) into one reused buffer; returns the decoded bytes."""
+    man, codec, shards = _held_chunks(path)
+    chunks = []
+    for storage, key, ranges in shards:
+        data = memoryview(storage.read_bytes(key))
+        chunks += [data[o : o + n] for o, n in ranges]
     out = np.empty(man.chunk_nbytes, np.uint8)
 
     def run(epoch: int) -> int:
         for chunk in chunks:
             codec.decode_into(chunk, out, what="codec")
         return len(chunks) * out.nbytes
+
+    return run
+
+
+def _codec_mapped_runner(path: Path, batch_bytes: int):
+    """The codec alone, one core, reading as a loader must: each shard file mapped, its chunks
+    decoded without crc into consecutive places of a batch-sized buffer, the pages dropped
+    after the shard; returns the decoded bytes."""
+    import mmap
+
+    man, codec, shards = _held_chunks(path)
+    size = man.chunk_nbytes
+    places = max(1, batch_bytes // size)
+    batch = np.ones(places * size, np.uint8)  # touched once, before timing matters
+    outs = [batch[k * size : (k + 1) * size] for k in range(places)]
+    files = []
+    for storage, key, ranges in shards:
+        with open(Path(storage.root) / key, "rb") as f:
+            files.append((mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), ranges))
+
+    def run(epoch: int) -> int:
+        k = 0
+        for mapped, ranges in files:
+            view = memoryview(mapped)
+            for o, n in ranges:
+                codec.decode_into(view[o : o + n], outs[k % places], what="codec", crc=False)
+                k += 1
+            view.release()
+            mapped.madvise(mmap.MADV_DONTNEED)
+        return k * size
 
     return run
 
@@ -348,7 +394,7 @@ def run_case(args: argparse.Namespace) -> None:
     elif kind == "v1":
         files = _files(root / "v1", "*.pt")
         evict_files = files
-    elif kind == "codec":
+    elif kind.startswith("codec"):
         evict_files = []
     else:
         evict_files = _files(root / kind.removeprefix("direct-").partition("+")[0], "*")
@@ -362,6 +408,8 @@ def run_case(args: argparse.Namespace) -> None:
         run = _v1_runner(root, threads, args.max_tokens)
     elif kind == "codec":
         run = _codec_runner(root / f"hs_{COMPRESSED}")
+    elif kind == "codec-mapped":
+        run = _codec_mapped_runner(root / f"hs_{COMPRESSED}", batch_bytes)
     else:
         name, _, flag = kind.partition("+")
         run = _loader_runner(root / name, threads, args.max_tokens, verify=flag != "noverify")
@@ -384,7 +432,11 @@ def run_case(args: argparse.Namespace) -> None:
     # VmHWM is per address space and starts afresh at exec (ru_maxrss would inherit the
     # parent's high-water mark across fork+exec).
     self_hwm_kb = _status_kb("VmHWM")
-    nbytes = amount if kind in ("ceiling", "codec") else amount * LAYERS * args.hidden * 2
+    nbytes = (
+        amount
+        if kind in ("ceiling", "codec", "codec-mapped")
+        else amount * LAYERS * args.hidden * 2
+    )
     print(json.dumps({
         "case": args.case, "seconds": secs, "gb_s": nbytes / secs / 1e9,
         "tokens_s": (nbytes / (LAYERS * args.hidden * 2)) / secs,
@@ -427,7 +479,7 @@ def main() -> None:
         "hs_none:1:warm", f"hs_none:{n}:warm", f"hs_none+noverify:{n}:warm",
         f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm",
         f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm", "codec:1:warm",
-        f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
+        "codec-mapped:1:warm", f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
     ]  # fmt: skip
     res: dict[str, dict] = {}
     for _ in range(args.rounds):  # whole rounds, interleaved: load drifts hit every case alike
@@ -461,9 +513,10 @@ def main() -> None:
           f"compressed/v1 {g[f'hs_{COMPRESSED}:{n}:cold'] / g[f'v1:{n}:cold']:.2f}")  # fmt: skip
     print(f"compressed loader (1 thread) vs the core's own sequential decode (1 thread): "
           f"{comp1 / g[f'direct-hs_{COMPRESSED}:1:warm']:.2f}")  # fmt: skip
-    codec = g["codec:1:warm"]
+    codec, mapped = g["codec:1:warm"], g["codec-mapped:1:warm"]
     print(f"compressed loader (1 thread) vs the codec alone (1 core, {codec:.2f} GB/s): "
-          f"{comp1 / codec:.2f}")  # fmt: skip
+          f"{comp1 / codec:.2f}; vs the codec reading mapped files into batches ({mapped:.2f} "
+          f"GB/s, {mapped / codec:.2f} of the codec alone): {comp1 / mapped:.2f}")  # fmt: skip
     print(f"uncompressed loader without whole-sample checksums (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
@@ -471,7 +524,8 @@ def main() -> None:
         f"loader_vs_ceiling={g[f'hs_none:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f} "
         f"loader_vs_v1={g[f'hs_none:{n}:warm'] / g[f'v1:{n}:warm']:.2f} "
         f"compressed_gb_s_per_core={comp1:.2f} codec_gb_s={codec:.2f} "
-        f"loader_vs_codec={comp1 / codec:.2f} peak_rss_mb={peak:.0f}"
+        f"loader_vs_codec={comp1 / codec:.2f} loader_vs_codec_mapped={comp1 / mapped:.2f} "
+        f"peak_rss_mb={peak:.0f}"
     )
     if tmp is not None:
         tmp.cleanup()
