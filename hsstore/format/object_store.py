@@ -186,50 +186,71 @@ class ObjectStorage(Storage):
             while k < len(ranges) and total + ranges[k][1] <= self.batch_bytes:
                 total += ranges[k][1]
                 k += 1
-            for i, view in enumerate(self._fetch_batch(key, ranges[first:k]), start=first):
-                if into is None:
-                    yield view
-                else:
-                    into[i][: len(view)] = view
-                    yield into[i][: len(view)]
+            batch_into = None if into is None else into[first:k]
+            yield from self._fetch_batch(key, ranges[first:k], batch_into)
 
-    def _fetch_batch(self, key: str, batch: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """The bytes of each range of one batch, fetched together."""
-        runs: list[list[int]] = []  # [start, end] of each run of nearby ranges
-        run_of: list[int] = []
+    def _fetch_batch(
+        self,
+        key: str,
+        batch: Sequence[tuple[int, int]],
+        into: Sequence[memoryview] | None,
+    ) -> list[memoryview]:
+        """The bytes of each range of one batch, fetched together: one GET per piece, a piece
+        being whole ranges that lie within `GAP_BYTES` of each other, up to `SPLIT_BYTES`
+        (a longer range is a run of pieces of its own). A range inside one piece is a view of
+        the piece's bytes, or one copy into its buffer in ``into``: the bytes are never copied
+        twice. A range cut short by the end of the object comes back short."""
+        pieces: list[list[int]] = []  # [start, end] of each GET
+        first_piece: list[int] = []  # the piece each range starts in
         for offset, nbytes in batch:
-            if runs and 0 <= offset - runs[-1][1] <= GAP_BYTES:
-                runs[-1][1] = max(runs[-1][1], offset + nbytes)
-            else:
-                runs.append([offset, offset + nbytes])
-            run_of.append(len(runs) - 1)
-        pieces = [  # (run, start, end)
-            (r, start, min(start + SPLIT_BYTES, end))
-            for r, (lo, end) in enumerate(runs)
-            for start in range(lo, end, SPLIT_BYTES)
-        ]
+            if not nbytes:
+                first_piece.append(-1)
+                continue
+            last = pieces[-1] if pieces else None
+            near = last is not None and 0 <= offset - last[1] <= GAP_BYTES
+            if near and offset + nbytes - last[0] <= SPLIT_BYTES:
+                last[1] = max(last[1], offset + nbytes)
+                first_piece.append(len(pieces) - 1)
+                continue
+            first_piece.append(len(pieces))
+            for start in range(offset, offset + nbytes, SPLIT_BYTES):
+                pieces.append([start, min(start + SPLIT_BYTES, offset + nbytes)])
         got = self._call(
             key,
             lambda: obstore.get_ranges(
                 self._store,
                 key,
-                starts=[s for _, s, _ in pieces],
-                ends=[e for _, _, e in pieces],
+                starts=[start for start, _ in pieces],
+                ends=[end for _, end in pieces],
                 coalesce=0,
             ),
         )
-        bufs = [bytearray(end - lo) for lo, end in runs]
-        filled = [0] * len(runs)
-        for (r, start, _), data in zip(pieces, got, strict=True):
-            view = memoryview(data)
-            at = start - runs[r][0]
-            bufs[r][at : at + len(view)] = view
-            if at == filled[r]:
-                filled[r] += len(view)
+        data = [memoryview(d) for d in got]
         out = []
-        for (offset, nbytes), r in zip(batch, run_of, strict=True):
-            at = offset - runs[r][0]
-            out.append(memoryview(bufs[r])[at : min(at + nbytes, filled[r])])
+        for k, (offset, nbytes) in enumerate(batch):
+            p = first_piece[k]
+            if p < 0:
+                out.append(memoryview(b"") if into is None else into[k][:0])
+                continue
+            at = offset - pieces[p][0]
+            if offset + nbytes <= pieces[p][1]:  # within one piece
+                view = data[p][at : at + nbytes]
+                if into is not None:
+                    into[k][: len(view)] = view
+                    view = into[k][: len(view)]
+                out.append(view)
+                continue
+            # A range longer than a piece: its pieces, back to back, as far as they came.
+            dest = into[k] if into is not None else memoryview(bytearray(nbytes))
+            filled = 0
+            while filled < nbytes and p < len(pieces):
+                part = data[p][at : at + nbytes - filled]
+                dest[filled : filled + len(part)] = part
+                filled += len(part)
+                if len(data[p]) < pieces[p][1] - pieces[p][0]:
+                    break  # short: the object ends here
+                p, at = p + 1, 0
+            out.append(dest[:filled])
         return out
 
     def _fetch_whole(self, key: str) -> Iterator[memoryview]:
