@@ -21,7 +21,7 @@ demo: $(INSTALLED)
 test: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=20
 	bash scripts/test_transformers_versions.sh
 	bash scripts/test_sglang_lane.sh
 
