@@ -82,9 +82,10 @@ def test_threads_reading_more_files_than_the_descriptor_cache_holds(tmp_path):
     assert not store._evicted  # every descriptor evicted in use was closed by its last reader
 
 
-def test_memory_maps_show_the_stored_bytes_and_outlive_eviction_and_close(tmp_path):
-    """A view handed out stays valid (and right) after its map leaves the cache or the storage
-    closes; an empty file maps to an empty view."""
+def test_reads_without_buffers_hand_out_each_range_until_the_next(tmp_path):
+    """Without ``into`` a view holds its range's bytes until the next one is asked for, also
+    with two reads open at once in one thread and after the descriptor cache evicted the file;
+    a range past the end comes back short and an empty file gives an empty view."""
     store = LocalStorage(tmp_path, max_open_files=2)
     payloads = {
         f"shard{k}": np.random.default_rng(k).integers(0, 256, 5000 + k, dtype=np.uint8).tobytes()
@@ -93,14 +94,16 @@ def test_memory_maps_show_the_stored_bytes_and_outlive_eviction_and_close(tmp_pa
     for key, data in payloads.items():
         store.write_file(key, [data])
     store.write_file("empty", [b""])
-    views = {key: list(store.read_ranges(key, [(0, len(data))])) for key, data in payloads.items()}
-    assert len(store._maps) == 2  # the first two were evicted from the cache
-    store.close()
-    assert all(bytes(views[key][0]) == data for key, data in payloads.items())
-    assert [bytes(v) for v in store.read_ranges("shard0", [(100, 10)])] == [
-        payloads["shard0"][100:110]
-    ]
+    ranges = [(0, 100), (4000, 1000), (10, 4990), (4990, 100)]  # the last runs past the end
+    reads = {key: store.read_ranges(key, ranges) for key in payloads}  # all open at once
+    for k in range(len(ranges)):
+        for key, read in reads.items():  # interleaved: every read keeps its own buffer
+            offset, nbytes = ranges[k]
+            assert bytes(next(read)) == payloads[key][offset : offset + nbytes], (key, k)
+    assert all(next(read, None) is None for read in reads.values())
+    assert len(store._fds) == 2  # the first files were evicted while their reads went on
     assert [len(v) for v in store.read_ranges("empty", [(0, 0)])] == [0]
+    store.close()
 
 
 def test_delete_tree_skips_keys_already_gone(remote_url):

@@ -1,9 +1,9 @@
 """`LocalStorage`: a dataset in a local directory.
 
 Put-if-absent is a hard link of a fully written, fsynced temporary file, which is atomic and
-fails if the name exists. Reads go through a bounded cache of descriptors and of read-only
-memory maps; bytes not yet in the page cache are asked of the disk ahead of their use
-(`hsstore.format.read_ahead`).
+fails if the name exists. Reads go through a bounded cache of descriptors (and of read-only
+memory maps, which pace reads of bytes not yet in the page cache: those are asked of the disk
+ahead of their use, `hsstore.format.read_ahead`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ from hsstore.format.store import TEMP_PREFIX, ObjectInfo, Storage, holds
 _RUN_BYTES = 4 << 20
 _GAP_BYTES = 64
 _MAX_IOV = 1000
+# A buffer of the reading thread's that a read without ``into`` lands its ranges in, one after
+# another: decoding from a copy that sits in the core's cache runs faster than decoding from a
+# memory map of the page cache, whose pages must be faulted in and dropped again
+# (`tools/bench_loader.py`'s codec-files case measures both).
+_STAGING = threading.local()
+_STAGING_BYTES = 1 << 20
 
 
 class LocalStorage(Storage):
@@ -102,35 +108,38 @@ class LocalStorage(Storage):
         into: Sequence[memoryview] | None = None,
     ) -> Iterator[memoryview]:
         """Into the caller's buffers: `preadv`s, one per run of ranges that lie (nearly) back to
-        back. Otherwise views of a memory map of the file, which saves the copy out of the page
-        cache (crc and decode run on the cached pages themselves); the file must not shrink
-        while mapped, and committed files never change. Ranges not yet in the page cache are
-        asked of the disk ahead of their use (`read_hints`)."""
+        back. Otherwise each range is read into a buffer of this thread's, reused for the next
+        range: a view is valid until the next one is asked for or the read ends. Ranges not
+        yet in the page cache are asked of the disk ahead of their use (`read_hints`)."""
         if into is not None:
             return self._read_into(key, ranges, into)
-        return self._read_mapped(key, ranges)
+        return self._read_staged(key, ranges)
 
-    def _read_mapped(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[memoryview]:
-        mapped = self._map(key)
+    def _read_staged(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[memoryview]:
         if not ranges:
             return
         lo = min(offset for offset, _ in ranges)
         hi = max(offset + nbytes for offset, nbytes in ranges)
-        cold = self._cold(key, mapped, ranges, lo, hi)
+        cold = self._cold(key, ranges, lo, hi)
+        staging = _take_staging(max(nbytes for _, nbytes in ranges))
+        fd = self._open_fd(key)
         try:
             for k, (offset, nbytes) in enumerate(ranges):
                 if cold is not None:
                     cold.arrive(k)
-                yield mapped[offset : offset + nbytes]  # short past the end of the file
+                yield staging[: _preadv_full(fd, [staging[:nbytes]], offset)]  # short past the end
         finally:
-            self._unmap(key, lo, hi - lo)
+            self._release_fd(key, fd)
+            _give_back_staging(staging)
+            if cold is not None:
+                self._unmap(key, lo, hi - lo)
 
     def _cold(
-        self, key: str, mapped: memoryview, ranges: Sequence[tuple[int, int]], lo: int, hi: int
+        self, key: str, ranges: Sequence[tuple[int, int]], lo: int, hi: int
     ) -> read_ahead.ColdRanges | None:
         """The pacing of a read whose bytes are not in the page cache (judged on the ends of
         their span), after asking for its first range; None when there is nothing to do."""
-        if self.read_hints == "none" or hi > len(mapped):  # out of bounds: the read reports it
+        if self.read_hints == "none":
             return None
         fd = self._open_fd(key)
         try:
@@ -143,6 +152,9 @@ class LocalStorage(Storage):
             return None
         finally:
             self._release_fd(key, fd)
+        mapped = self._map(key)
+        if hi > len(mapped):  # past the end: the read reports it
+            return None
         return read_ahead.ColdRanges(mapped, ranges, functools.partial(self._advise, key))
 
     def _advise(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
@@ -418,6 +430,29 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _take_staging(nbytes: int) -> memoryview:
+    """A staging buffer of at least ``nbytes`` from this thread's pool (a thread may hold a
+    read open while it starts another)."""
+    pool = getattr(_STAGING, "pool", None)
+    if pool is None:
+        pool = _STAGING.pool = []
+    for i, buf in enumerate(pool):
+        if len(buf) >= nbytes:
+            return pool.pop(i)
+    return memoryview(bytearray(max(nbytes, _STAGING_BYTES)))
+
+
+def _give_back_staging(buf: memoryview) -> None:
+    """Back into the pool of the thread that ends the read (an abandoned read may end in
+    another thread, when it is collected)."""
+    pool = getattr(_STAGING, "pool", None)
+    if pool is None:
+        pool = _STAGING.pool = []
+    pool.append(buf)
+    if len(pool) > 2:  # keep the two largest
+        del pool[min(range(len(pool)), key=lambda i: len(pool[i]))]
 
 
 def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
