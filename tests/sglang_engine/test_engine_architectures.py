@@ -35,7 +35,7 @@ from hsstore.extract.sglang_backend import plan_capture
 from hsstore.format.layers import LayerSpec
 
 N = tiny_models.N_LAYERS
-UNREFUSED = HERE / "unrefused"  # a sitecustomize that lifts hsstore's refusal of Gemma 3
+UNREFUSED = HERE / "unrefused"  # a sitecustomize that lifts hsstore's refusals (Gemma 3 here)
 # The families whose SGLang CPU path runs, with the largest fp32 relative error allowed against
 # transformers (0: bit for bit). SGLang's native MoE sums the experts' outputs in one einsum
 # (layers/moe/fused_moe_native.py), transformers expert by expert, so MoE layers agree to
