@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller data, fewer steps and seeds")
     p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 100)")
-    p.add_argument("--seeds", type=int, default=None, help="training seeds per tier (default 3)")
+    p.add_argument("--seeds", type=int, default=None, help="training seeds per tier (default 4)")
     p.add_argument("--seed", type=int, default=0, help="the first training seed; data's seed")
     p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tier names")
     args = p.parse_args(argv)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     if tiers[0] != "lossless":
         tiers = ["lossless", *[t for t in tiers if t != "lossless"]]
     steps = args.steps or (40 if args.quick else 100)
-    seeds = [args.seed + k for k in range(args.seeds or (2 if args.quick else 3))]
+    seeds = [args.seed + k for k in range(args.seeds or (2 if args.quick else 4))]
     root = Path(tempfile.mkdtemp(prefix="bench_lossy_"))
     try:
         sets = {

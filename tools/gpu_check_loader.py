@@ -97,6 +97,10 @@ def run_epoch(loader, epoch: int, work=None) -> tuple[float, int, int]:
     return elapsed, tokens, batches
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
 def check_fp8(root: Path, args, opts: dict, lossless_gb_s: float) -> tuple[bool, float]:
     """(every GPU batch equals the CPU one, for both fp8 tiers; the fp8-token GPU rate over
     ``lossless_gb_s``), on the same states as the lossless dataset."""
@@ -111,8 +115,9 @@ def check_fp8(root: Path, args, opts: dict, lossless_gb_s: float) -> tuple[bool,
         dev_loader = Loader(path, device="cuda", **opts)
         for host, dev in zip(cpu_loader, dev_loader, strict=True):
             for key, value in host.items():
-                got = dev[key]
-                equal &= got.dtype == value.dtype and torch.equal(got.cpu(), value)
+                got = dev[key].cpu()
+                equal &= got.dtype == value.dtype and torch.equal(bits(got), bits(value))
+        cpu_loader.close()  # its threads would decode on into the timed epochs below
         dev_loader.close()
         if tier == "fp8-token":
             run_epoch(dev_loader, 1)  # warm-up, as for the lossless rate

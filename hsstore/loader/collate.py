@@ -2,10 +2,11 @@
 
 Inside the loader a batch is a handful of base tensors (``RawBatch``, internal): hidden states
 ``[B, T, L', H]`` with the aux layers first and the verifier layer last, and the per-token
-columns ``[B, T]``. A batch of an fp8 dataset may travel in its stored form, fp8 states plus
-their float32 scales ``[B, T, S]`` (half the bytes of bf16 values), until
-`hsstore.loader.dequant` turns it into values where it is going. The trainer's keys are views of these (``as_eagle3``, applied once, as a batch is handed out), so
-a batch crosses PCIe as one hidden-state copy and is never re-concatenated on the host.
+columns ``[B, T]``. The trainer's keys are views of these (``as_eagle3``, applied once, as a
+batch is handed out), so a batch crosses PCIe as one hidden-state copy and is never
+re-concatenated on the host. A batch of an fp8 dataset travels in its stored form, fp8 states
+plus their float32 scales ``[B, T, S]`` (half the bytes of bf16 values), until
+`hsstore.loader.dequant` turns it into values where it is going.
 
 Keys follow speculators' trainer (``speculators/train/data.py``): ``hidden_states``
 ``[B, T, k*H]``, ``verifier_last_hidden_states`` ``[B, T, H]``, ``input_ids``, ``loss_mask``,
