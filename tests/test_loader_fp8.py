@@ -167,3 +167,21 @@ def test_worker_processes_deliver_the_same_values(ds, device):
     for g, h in zip(got, host, strict=True):
         for k in h:
             assert bits(g[k]) == bits(h[k]), k
+
+
+def test_scales_of_a_batch_across_segments_are_the_samples_heads(tmp_path):
+    ds = hsstore.create(tmp_path / "ds", layers=LAYERS, hidden_size=8, dtype="bf16",
+                        model={"num_hidden_layers": 4}, tier="fp8-token-layer")  # fmt: skip
+    for part in range(2):  # one segment per writer
+        with ds.writer() as w:
+            for k in range(3):
+                t = 4 + k
+                hidden = llm_like_states(t, len(LAYERS), 8, seed=10 * part + k)
+                w.add(f"s{part}-{k}", torch.arange(t), torch.ones(t).long(), hidden)
+    ds = hsstore.open(ds.path)
+    assert len(set(ds.index.column("segment").to_pylist())) == 2
+    positions, takes = [4, 0, 5], [3, 4, 6]
+    (scales,) = ds.read_columns_many(positions, takes, ["scales"])
+    want = torch.cat([ds[i].scales[:n] for i, n in zip(positions, takes, strict=True)])
+    assert scales.shape == (sum(takes), len(LAYERS))
+    assert bits(torch.from_numpy(scales)) == bits(want)
