@@ -226,17 +226,9 @@ class Dataset:
         return out
 
     def read_tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, loss_mask) of sample ``i`` as int64, without decoding any state.
-
-        The token columns of a segment are decoded once and cached, so a pass over every sample
-        (building a vocabulary, counting loss tokens) costs a few bytes per token.
-        """
-        i = self._index.position(i)
-        reader = self._readers[self._index.segment[i]]
-        row, n = int(self._index.row[i]), int(self._index.len[i])
-        ids = reader.column("input_ids")[row : row + n].astype(np.int64)
-        mask = reader.column("loss_mask")[row : row + n].astype(np.int64)
-        return torch.from_numpy(ids), torch.from_numpy(mask)
+        """(input_ids, loss_mask) of sample ``i`` as int64, without decoding any state (a
+        segment's token columns are decoded once and cached: a few bytes per token)."""
+        return self.read_tokens_many([i], [self.num_tokens_of(i)])
 
     def read_tokens_many(
         self, positions: Sequence[int] | np.ndarray, takes: Sequence[int] | np.ndarray
@@ -244,6 +236,18 @@ class Dataset:
         """(input_ids, loss_mask) as int64 of the first ``takes[k]`` tokens of sample
         ``positions[k]``, for every k, back to back: a batch's token columns in one gather per
         segment instead of one `read_tokens` per sample."""
+        ids, mask = self.read_columns_many(positions, takes, ("input_ids", "loss_mask"))
+        return torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def read_columns_many(
+        self,
+        positions: Sequence[int] | np.ndarray,
+        takes: Sequence[int] | np.ndarray,
+        names: Sequence[str],
+    ) -> list[np.ndarray]:
+        """Per-token columns ``names`` (``input_ids``, ``loss_mask``, the scales of a scaled
+        dataset: ``[rows]`` or ``[rows, layers]``) as stored, for the tokens `read_tokens_many`
+        takes."""
         index = self._index
         pos, count = np.asarray(positions, np.int64), np.asarray(takes, np.int64)
         if pos.shape != count.shape or pos.ndim != 1:
@@ -254,13 +258,16 @@ class Dataset:
             raise ValueError(f"cannot take {int(count[k])} tokens of sample {sid!r} ({has} tokens)")
         rows = np.repeat(index.row[pos] - (np.cumsum(count) - count), count)
         rows += np.arange(len(rows))
-        ids, mask = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
         segments = np.unique(index.segment[pos]).tolist()
-        for seg in segments:  # usually one: then no masks
-            sel = slice(None) if len(segments) == 1 else np.repeat(index.segment[pos], count) == seg
-            ids[sel] = self._readers[seg].column("input_ids")[rows[sel]]
-            mask[sel] = self._readers[seg].column("loss_mask")[rows[sel]]
-        return torch.from_numpy(ids), torch.from_numpy(mask)
+        if len(segments) == 1:  # usually: then no masks
+            return [self._readers[segments[0]].column(name)[rows] for name in names]
+        seg_of, out = np.repeat(index.segment[pos], count), []
+        for name in names:
+            wholes = [self._readers[seg].column(name) for seg in segments]
+            out.append(np.empty((len(rows), *wholes[0].shape[1:]), wholes[0].dtype))
+            for seg, whole in zip(segments, wholes, strict=True):
+                out[-1][seg_of == seg] = whole[rows[seg_of == seg]]
+        return out
 
     def will_read(
         self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None
@@ -301,11 +308,9 @@ class Dataset:
         CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
         lands in ``out[row : row + T_i]``. Returns how many samples were read.
 
-        The same bytes and checks as `read_hidden_into` per sample, but the checks of ``out``
-        and its array view are done once: on samples of a few hundred tokens they took a sixth
-        of the time of a `read_hidden_into` call. ``placed`` is drawn one pair at a time, as
-        each read is done, so threads that each draw from their own generator over one shared
-        queue of work split a batch between them.
+        The same bytes and checks as `read_hidden_into` per sample, with the checks of ``out``
+        done once. ``placed`` is drawn one pair at a time, as each read is done, so threads
+        that each draw from one shared queue of work split a batch between them.
         """
         layer_list = self._check_layers(layers)
         values = self._check_out(out, layer_list, None, values_ok=True)

@@ -15,7 +15,11 @@ It builds a temporary uncompressed dataset and measures, in one run:
    and decode hide entirely behind compute, 0 = they run one after the other;
 4. ``values_equal``: every batch of one epoch, read on the GPU while compute runs on the
    default stream, equals the dataset's bytes (catches a missing stream/event sync or a host
-   buffer recycled before its copy finished).
+   buffer recycled before its copy finished);
+5. ``fp8_equal`` / ``fp8_vs_lossless_device``: the same states stored ``fp8-token`` and
+   ``fp8-token-layer`` (uncompressed too): every GPU batch (fp8 and scales copied, dequantized
+   on the GPU) equals the CPU loader's batch (dequantized on the host) bit for bit, and the
+   GPU path's rate in bf16 bytes delivered against the lossless dataset's.
 
 Without CUDA it says so and exits 0 (the CPU fallback is covered by the tests).
 """
@@ -34,7 +38,7 @@ import torch
 LAYERS = 4
 
 
-def build(path: Path, tokens: int, hidden: int) -> None:
+def build(path: Path, tokens: int, hidden: int, tier: str | None = None) -> None:
     import hsstore
     from hsstore import LayerSpec
 
@@ -45,6 +49,7 @@ def build(path: Path, tokens: int, hidden: int) -> None:
         dtype=torch.bfloat16,
         model={"name": "gpu-check", "revision": None, "num_hidden_layers": 16, "hidden_size": hidden, "vocab_size": 32000},
         codec="none",
+        tier=tier,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     total, k = 0, 0
@@ -90,6 +95,35 @@ def run_epoch(loader, epoch: int, work=None) -> tuple[float, int, int]:
     elapsed = time.perf_counter() - t0
     loader.close()  # no decoding ahead into the next timed epoch: each starts cold
     return elapsed, tokens, batches
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def check_fp8(root: Path, args, opts: dict, lossless_gb_s: float) -> tuple[bool, float]:
+    """(every GPU batch equals the CPU one, for both fp8 tiers; the fp8-token GPU rate over
+    ``lossless_gb_s``), on the same states as the lossless dataset."""
+    from hsstore.loader import Loader
+
+    equal, ratio = True, 0.0
+    for tier in ("fp8-token", "fp8-token-layer"):
+        path = root / tier
+        if not path.exists():
+            build(path, args.tokens, args.hidden, tier)
+        cpu_loader = Loader(path, **opts)
+        dev_loader = Loader(path, device="cuda", **opts)
+        for host, dev in zip(cpu_loader, dev_loader, strict=True):
+            for key, value in host.items():
+                got = dev[key].cpu()
+                equal &= got.dtype == value.dtype and torch.equal(bits(got), bits(value))
+        cpu_loader.close()  # its threads would decode on into the timed epochs below
+        dev_loader.close()
+        if tier == "fp8-token":
+            run_epoch(dev_loader, 1)  # warm-up, as for the lossless rate
+            t, tok, _ = run_epoch(dev_loader, 2)
+            ratio = tok * LAYERS * args.hidden * 2 / t / 1e9 / lossless_gb_s
+    return equal, ratio
 
 
 def main() -> int:
@@ -179,14 +213,16 @@ def main() -> int:
             start += n
     print(f"batches/epoch {nb}; compute reps/batch {reps}; t_compute {t_c:.2f}s "
           f"t_loader {t_l:.2f}s t_both {t_b:.2f}s")  # fmt: skip
+    fp8_equal, fp8_ratio = check_fp8(Path(args.data), args, opts, dev_gb_s)
     print(
         f"pinned_h2d_gb_s={pinned:.1f} pageable_h2d_gb_s={pageable:.1f} "
         f"loader_cpu_gb_s={cpu_gb_s:.2f} loader_device_gb_s={dev_gb_s:.2f} "
-        f"device_vs_pinned={dev_gb_s / pinned:.2f} overlap={overlap:.2f} values_equal={equal}"
+        f"device_vs_pinned={dev_gb_s / pinned:.2f} overlap={overlap:.2f} values_equal={equal} "
+        f"fp8_equal={fp8_equal} fp8_vs_lossless_device={fp8_ratio:.2f}"
     )
     if tmp is not None:
         tmp.cleanup()
-    return 0 if equal else 1
+    return 0 if equal and fp8_equal else 1
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 Inside the loader a batch is a handful of base tensors (``RawBatch``, internal): hidden states
 ``[B, T, L', H]`` with the aux layers first and the verifier layer last, and the per-token
-columns ``[B, T]``. The trainer's keys are views of these (``as_eagle3``, applied once, as a batch is handed out), so
-a batch crosses PCIe as one hidden-state copy and is never re-concatenated on the host.
+columns ``[B, T]``. The trainer's keys are views of these (``as_eagle3``, applied once, as a
+batch is handed out), so a batch crosses PCIe as one hidden-state copy and is never
+re-concatenated on the host. A batch of an fp8 dataset travels in its stored form, fp8 states
+plus their float32 scales ``[B, T, S]`` (half the bytes of bf16 values), until
+`hsstore.loader.dequant` turns it into values where it is going.
 
 Keys follow speculators' trainer (``speculators/train/data.py``): ``hidden_states``
 ``[B, T, k*H]``, ``verifier_last_hidden_states`` ``[B, T, H]``, ``input_ids``, ``loss_mask``,
@@ -35,9 +38,13 @@ class RawBatch:
     document_ids: torch.Tensor  # [B, T] int64, -1 on padding
     lengths: torch.Tensor  # [n] int64, tokens per sample
     sample_index: torch.Tensor  # [n] int64, storage positions
+    # [B, T, S] float32 when ``hidden`` holds fp8 states: S is 1 (a scale per token) or L' (per
+    # token and layer). None: ``hidden`` holds the values.
+    scales: torch.Tensor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The batch's tensors by field name (``scales`` only when set)."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> RawBatch:
         return RawBatch(
@@ -69,6 +76,8 @@ class HostBuffers:
 
     Allocated once (pinned when feeding a GPU: page-locked memory is what lets the copy run
     asynchronously) and touched once up front, so the hot path never faults in fresh pages.
+    ``scales_width`` (fp8 states, ``dtype`` their stored dtype): room for S scales per token;
+    ``values_dtype`` besides: room for the batch's values, dequantized on the host.
     """
 
     def __init__(
@@ -79,6 +88,9 @@ class HostBuffers:
         dtype: torch.dtype,
         pin: bool,
         prefault: bool = True,
+        *,
+        scales_width: int | None = None,
+        values_dtype: torch.dtype | None = None,
     ):
         self.capacity = capacity
         self.row = num_layers * hidden_size
@@ -93,6 +105,39 @@ class HostBuffers:
         # The 4 per-token columns, then lengths and sample positions (at most one sample per
         # token), so every field of a batch lives in these two allocations.
         self.tokens = torch.zeros(len(TOKEN_KEYS) + 2, capacity, dtype=torch.int64, pin_memory=pin)
+        self.scales = (
+            None
+            if scales_width is None
+            else torch.zeros(capacity, scales_width, dtype=torch.float32, pin_memory=pin)
+        )
+        self.values = (
+            None
+            if scales_width is None or values_dtype is None
+            else alloc(capacity * self.row, dtype=values_dtype)
+        )
+
+    @classmethod
+    def like(cls, raw: RawBatch, capacity: int, pin: bool) -> HostBuffers:
+        """Buffers that hold batches of ``raw``'s form (dtype, layers, scales)."""
+        _b, _t, n_layers, hidden_size = raw.hidden.shape
+        width = None if raw.scales is None else raw.scales.shape[-1]
+        return cls(capacity, n_layers, hidden_size, raw.hidden.dtype, pin, scales_width=width)
+
+    def hold(self, batch: RawBatch) -> RawBatch:
+        """A copy of ``batch`` (of this buffer's form) in these buffers."""
+        b, t = batch.input_ids.shape
+        raw = self.view(b, t, batch.lengths, batch.sample_index)
+        self.clean_from = max(self.clean_from, b * t)
+        for name, dst in raw.tensors().items():
+            if name not in ("lengths", "sample_index"):  # copied by view
+                dst.copy_(getattr(batch, name))
+        return raw
+
+    def values_view(self, b: int, t: int) -> torch.Tensor | None:
+        """The front of the values buffer as ``[b, t, L', H]`` (None without one)."""
+        if self.values is None:
+            return None
+        return self.values[: b * t * self.row].view(b, t, self.num_layers, self.hidden_size)
 
     def view(
         self,
@@ -118,6 +163,7 @@ class HostBuffers:
             document_ids=cols[3],
             lengths=lens,
             sample_index=index,
+            scales=None if self.scales is None else self.scales[: b * t].view(b, t, -1),
         )
 
 
@@ -192,6 +238,8 @@ def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int, clean_from:
     raw.loss_mask[row, start:] = 0
     raw.position_ids[row, start:] = 0
     raw.document_ids[row, start:] = -1
+    if raw.scales is not None:  # zero states times a zero scale: padding dequantizes to zero
+        raw.scales[row, start:] = 0
 
 
 def write_tokens(
@@ -200,10 +248,12 @@ def write_tokens(
     packed: bool,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> None:
-    """Token columns of every placed sample at once: ``input_ids`` and ``loss_mask`` hold the
-    taken tokens of the samples back to back, in batch order. Document ids number the samples
-    of a row (packed rows hold many)."""
+    """Token columns of every placed sample at once: ``input_ids`` and ``loss_mask`` (and the
+    ``scales`` [tokens, S] of a batch in stored form) hold the taken tokens of the samples back
+    to back, in batch order. Document ids number the samples of a row (packed rows hold
+    many)."""
     takes = places.takes
     total = int(takes.sum())
     before = np.cumsum(takes) - takes
@@ -213,13 +263,16 @@ def write_tokens(
     )
     columns = ((raw.input_ids, input_ids), (raw.loss_mask, loss_mask),
                (raw.position_ids, positions), (raw.document_ids, docs))  # fmt: skip
+    if scales is not None:
+        assert raw.scales is not None, "scales for a batch without room for them"
+        columns += ((raw.scales, scales),)
     if packed:  # the samples fill the front of row 0
         for dst, src in columns:
             dst[0, :total] = src
         return
     slots = torch.from_numpy(places.token_slots(raw.input_ids.shape[1]))
     for dst, src in columns:
-        dst.view(-1).index_copy_(0, slots, src)
+        dst.flatten(0, 1).index_copy_(0, slots, src)
 
 
 # --- collation of per-sample dicts (map-style dataset + any DataLoader) -------------------------

@@ -22,6 +22,7 @@ from hsstore import fp8
 from hsstore.dataset import Dataset
 from hsstore.dataset import open as open_dataset
 from hsstore.errors import BadInputError
+from hsstore.format import paths, tiers
 from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
@@ -92,6 +93,8 @@ class DatasetSource:
         self.hidden_size = man.hidden_size
         # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
         self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else man.torch_dtype
+        self.stored_dtype = man.torch_dtype
+        self.tier = man.tier
         self.data_fingerprint = _data_fingerprint(index)
         self.dataset_id = man.dataset_id
         # A dataset object opened with another verify setting is reopened on first read.
@@ -154,6 +157,22 @@ class DatasetSource:
         """(input_ids, loss_mask) of the first ``takes[k]`` tokens of every sample
         ``positions[k]``, back to back, as int64 (a batch's token columns in one call)."""
         return self.ds.read_tokens_many(positions, takes)
+
+    def scales_width(self, layers: list[int]) -> int | None:
+        """Scales per token of a read of ``layers``: None unscaled, 1 per token, or one per
+        layer read."""
+        if self.tier is None or not self.tier.scaled:
+            return None
+        return tiers.scales_width(self.tier, len(layers)) or 1
+
+    def read_scales_many(
+        self, positions: np.ndarray, takes: np.ndarray, layers: list[int]
+    ) -> torch.Tensor:
+        """The float32 scales ``[tokens, scales_width(layers)]`` of the tokens
+        `read_tokens_many` takes, back to back (per-layer scales of ``layers`` only)."""
+        (scales,) = self.ds.read_columns_many(positions, takes, (paths.SCALES,))
+        picked = tiers.scales_for_layers(scales, None if layers == self._all_layers else layers)
+        return torch.from_numpy(np.ascontiguousarray(picked).reshape(len(scales), -1))
 
     def will_read(self, positions: np.ndarray, layers: list[int]) -> None:
         """The samples of a batch about to be decoded (`Dataset.will_read`)."""

@@ -28,6 +28,7 @@ about to run dry.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -49,6 +50,7 @@ from hsstore.loader.collate import (
     write_tokens,
 )
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
+from hsstore.loader.dequant import dequantize_batch
 from hsstore.loader.shutdown import close_at_exit
 
 _POLL_S = 0.1
@@ -97,7 +99,10 @@ class BatchFetcher:
 
     With ``reuse_buffers`` a yielded batch stays valid until the next one is requested (its
     buffer then goes back to the ring); without it every batch owns fresh tensors (needed when
-    batches leave the process, as from DataLoader workers).
+    batches leave the process, as from DataLoader workers). Batches of an fp8 dataset are
+    decoded in their stored form (fp8 states and scales) and, with ``dequantize``, turned into
+    values here, once per batch; without it they leave in that form for the device to
+    dequantize (`hsstore.loader.dequant`).
     """
 
     def __init__(
@@ -112,12 +117,13 @@ class BatchFetcher:
         reuse_buffers: bool = True,
         pin_memory: bool = False,
         ring: list[HostBuffers] | None = None,
+        dequantize: bool = True,
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError("num_threads and prefetch must be >= 1")
         self.source, self.choice, self.shape = source, choice, shape
         self._layers = choice.read
-        self._reuse, self._pin = reuse_buffers, pin_memory
+        self._reuse, self._pin, self._dequantize = reuse_buffers, pin_memory, dequantize
         # Buffers handed back with a wake-up (None: wake up to stop).
         self._free: queue.Queue[HostBuffers | None] = queue.Queue()
         self._returned: deque[HostBuffers] = deque()  # handed back quietly (see _take_free)
@@ -126,7 +132,7 @@ class BatchFetcher:
             for buf in (
                 ring
                 if ring is not None
-                else self.make_ring(source, choice, shape, prefetch, pin_memory)
+                else self.make_ring(source, choice, shape, prefetch, pin_memory, dequantize)
             ):
                 self._free.put(buf)
         self._out: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -147,24 +153,23 @@ class BatchFetcher:
 
     @staticmethod
     def make_ring(
-        source: DatasetSource, choice: LayerChoice, shape: BatchShape, prefetch: int, pin: bool
+        source: DatasetSource,
+        choice: LayerChoice,
+        shape: BatchShape,
+        prefetch: int,
+        pin: bool,
+        dequantize: bool = True,
     ) -> list[HostBuffers]:
         """The ``prefetch + 1`` reusable buffers a fetcher with these settings needs."""
-        n_layers = len(choice.read)
         return [
-            HostBuffers(shape.capacity, n_layers, source.hidden_size, source.dtype, pin)
+            _buffers(source, choice.read, shape.capacity, pin, dequantize)
             for _ in range(prefetch + 1)
         ]
 
     def _new_buffers(self, capacity: int) -> HostBuffers:
         """A one-shot buffer (batches leaving the process own their memory)."""
-        return HostBuffers(
-            capacity,
-            len(self._layers),
-            self.source.hidden_size,
-            self.source.dtype,
-            self._pin,
-            prefault=False,
+        return _buffers(
+            self.source, self._layers, capacity, self._pin, self._dequantize, prefault=False
         )
 
     # --- producer side ---------------------------------------------------------------------
@@ -200,7 +205,10 @@ class BatchFetcher:
                         raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
                     )
                     input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
-                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask)
+                    scales = None
+                    if raw.scales is not None:
+                        scales = self.source.read_scales_many(samples, tokens, self._layers)
+                    write_tokens(raw, places, self.shape.packed, input_ids, loss_mask, scales)
                     if upcoming is not None and upcoming is not WAIT:  # its reads from disk
                         self.source.will_read(upcoming[0], self._layers)  # overlap this decode
                 except BaseException:
@@ -208,11 +216,26 @@ class BatchFetcher:
                     raise
                 if self._pool is None:  # one decode thread: this one, with no hand-off
                     self._decode_claimed(tokens_rows, todo)
+                values = buf.values_view(b, t)
+                if values is not None and self._pool is None:
+                    raw = dequantize_batch(raw, values)
+                elif values is not None:  # once the batch's decode tasks are done
+                    decoded = list(futures)
+                    futures.append(self._pool.submit(self._dequantize_after, decoded, raw, values))
+                    raw = dataclasses.replace(raw, hidden=values, scales=None)
                 if not self._put((buf, raw, futures)):
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(exc)
+
+    @staticmethod
+    def _dequantize_after(decoded: list[Future], raw: RawBatch, values: torch.Tensor) -> None:
+        """Dequantize a batch into ``values`` once its decode tasks are done: a pool task
+        queued after them, so every one of them has started (or ended) before it waits."""
+        for f in decoded:
+            f.result()
+        dequantize_batch(raw, values)
 
     def _decode_order(
         self, samples: np.ndarray, places: Placements, seq_len: int
@@ -362,3 +385,26 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
+
+
+def _buffers(
+    source: DatasetSource,
+    layers: list[int],
+    capacity: int,
+    pin: bool,
+    dequantize: bool,
+    prefault: bool = True,
+) -> HostBuffers:
+    """Host buffers for batches of ``layers`` of ``source``: values, or for a scaled dataset
+    the stored form (plus room for the values when they are dequantized on the host)."""
+    width = source.scales_width(layers)
+    return HostBuffers(
+        capacity,
+        len(layers),
+        source.hidden_size,
+        source.dtype if width is None else source.stored_dtype,
+        pin,
+        prefault,
+        scales_width=width,
+        values_dtype=source.dtype if dequantize else None,
+    )

@@ -7,6 +7,9 @@ and waits for the event before giving the host buffer back to the ring. The cons
 its own stream wait on the event (a GPU-side wait, the host does not block) and marks the
 tensors as used on its stream so the caching allocator does not recycle them early.
 
+A batch of an fp8 dataset is copied in its stored form (fp8 states and scales, half the bytes
+of bf16 values) and dequantized on the side stream after the copy (`dequant.to_device`).
+
 Without CUDA everything stays on the host: ``DevicePrefetcher`` then just passes batches on.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from hsstore.loader.collate import RawBatch
+from hsstore.loader.dequant import to_device
 from hsstore.loader.fetch import put_unless_stopped
 from hsstore.loader.shutdown import close_at_exit
 
@@ -68,7 +72,7 @@ class DevicePrefetcher:
             torch.cuda.set_device(self.device)
             for raw in self._host:
                 with torch.cuda.stream(self._stream):
-                    dev = raw.to(self.device, non_blocking=True)
+                    dev = to_device(raw, self.device, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self._stream)
                 if not self._put((dev, event)):

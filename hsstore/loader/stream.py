@@ -281,6 +281,8 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
     batch valid only until the next one is requested, and must stay False with workers.
     """
 
+    dequantize = True  # fp8 states leave as values (the Loader's workers may leave them fp8)
+
     @shows_options
     def __init__(
         self,
@@ -327,6 +329,7 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
             num_threads=self.num_threads,
             prefetch=self.prefetch,
             reuse_buffers=self.reuse_buffers,
+            dequantize=self.dequantize,
         )
         try:
             for raw in fetcher:

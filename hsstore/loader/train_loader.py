@@ -311,7 +311,7 @@ class Loader(PlannedEpochs):
         if self.workers == 0:
             if self._ring is None:
                 self._ring = BatchFetcher.make_ring(
-                    self.source, self.choice, self.shape, self.prefetch, pin
+                    self.source, self.choice, self.shape, self.prefetch, pin, self.device is None
                 )
             stop = threading.Event()
             planned = _planned_from(
@@ -333,6 +333,7 @@ class Loader(PlannedEpochs):
                 reuse_buffers=True,
                 pin_memory=pin,
                 ring=self._ring,
+                dequantize=self.device is None,
             )
             last_epoch = None
         elif self.following:
@@ -386,7 +387,8 @@ class _RawBatchStream(HiddenStateStream):
 
         fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
                                num_threads=self.num_threads, prefetch=self.prefetch,
-                               reuse_buffers=self.reuse_buffers)  # fmt: skip
+                               reuse_buffers=self.reuse_buffers,
+                               dequantize=self.dequantize)  # fmt: skip
         try:
             yield from fetcher
         finally:
@@ -431,7 +433,8 @@ class _WorkerBatches:
 
     Batches from workers arrive in fresh shared-memory tensors; copying them into pinned
     buffers we own is what lets the device copy run asynchronously without pinning a fresh
-    tensor per batch.
+    tensor per batch. Bound for a device, fp8 batches come in their stored form, to be
+    dequantized there; else the workers dequantize them.
     """
 
     def __init__(self, loader: Loader, pin: bool, stop: Any = None):
@@ -443,6 +446,7 @@ class _WorkerBatches:
         )
         stream.epoch, stream.start, stream.step = loader.epoch, loader.start, loader.step
         stream.first_pass, stream.stop = loader.first_pass, stop  # the windows so far
+        stream.dequantize = loader.device is None
         # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
         # its worker processes down, the way DataLoader documents for an iterator going away.
         self._dl: Iterator[RawBatch] | None = iter(
@@ -457,16 +461,8 @@ class _WorkerBatches:
                 multiprocessing_context=loader.source.location.worker_start_method,
             )
         )
-        self._ring = [
-            HostBuffers(
-                loader.shape.capacity,
-                len(loader.choice.read),
-                loader.source.hidden_size,
-                loader.source.dtype,
-                pin,
-            )
-            for _ in range(2)
-        ]
+        self._capacity, self._pin = loader.shape.capacity, pin
+        self._ring: list[HostBuffers] = []  # two, made in the form of the first batch
         self._next = 0
 
     def __iter__(self) -> _WorkerBatches:
@@ -476,17 +472,11 @@ class _WorkerBatches:
         if self._dl is None:
             raise StopIteration
         batch = next(self._dl)
-        b, t = batch.input_ids.shape
+        if not self._ring:
+            self._ring = [HostBuffers.like(batch, self._capacity, self._pin) for _ in range(2)]
         buf = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
-        raw = buf.view(b, t, batch.lengths, batch.sample_index)
-        buf.clean_from = max(buf.clean_from, b * t)
-        raw.hidden.copy_(batch.hidden)
-        raw.input_ids.copy_(batch.input_ids)
-        raw.loss_mask.copy_(batch.loss_mask)
-        raw.position_ids.copy_(batch.position_ids)
-        raw.document_ids.copy_(batch.document_ids)
-        return raw
+        return buf.hold(batch)
 
     def close(self) -> None:
         self._dl = None
