@@ -29,6 +29,7 @@ from hsstore.trainers.eagle3.checkpoint import (
     server_config,
     target_architecture_of,
 )
+from hsstore.trainers.eagle3.following import wait_for_dataset, wait_for_samples
 from hsstore.trainers.eagle3.model import (
     Eagle3Drafter,
     TargetHead,
@@ -220,22 +221,6 @@ def split_layers(
     return [i for i in range(len(layers)) if i != deepest], deepest
 
 
-def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2):
-    """The dataset at ``path``, waiting for the extraction to create it (``--follow`` may start
-    with the extraction: its start-up then overlaps the extraction's)."""
-    import hsstore
-    from hsstore.errors import NotADatasetError
-
-    t0 = time.monotonic()
-    while True:
-        try:
-            return hsstore.open(path)
-        except (NotADatasetError, FileNotFoundError):
-            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-                raise
-            time.sleep(poll_s)
-
-
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -300,6 +285,8 @@ def train(args: argparse.Namespace) -> dict:
     else:
         if not vocab_size:
             raise ValueError("dataset manifest has no model.vocab_size; pass --target")
+        if args.follow:
+            ds = wait_for_samples(ds, args.follow_window, args.follow_timeout)
         counts = dataset_token_counts(ds, vocab_size, args.vocab_samples)
         vocab = build_vocab_maps(counts, args.draft_vocab_size)
         cfg = drafter_config_from_target(
