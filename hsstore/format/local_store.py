@@ -1,16 +1,15 @@
 """`LocalStorage`: a dataset in a local directory.
 
 Put-if-absent is a hard link of a fully written, fsynced temporary file, which is atomic and
-fails if the name exists. Reads go through a bounded cache of descriptors (and of read-only
-memory maps, which pace reads of bytes not yet in the page cache: those are asked of the disk
-ahead of their use, `hsstore.format.read_ahead`).
+fails if the name exists. Reads are `preadv`s through a bounded cache of descriptors; bytes not
+yet in the page cache are asked of the disk ahead of their use (`hsstore.format.read_ahead`).
+No read goes through a memory map, so an unreadable sector is an EIO, never a SIGBUS.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
 import os
 import shutil
 import stat
@@ -31,8 +30,9 @@ _GAP_BYTES = 64
 _MAX_IOV = 1000
 # A buffer of the reading thread's that a read without ``into`` lands its ranges in, one after
 # another: decoding from a copy that sits in the core's cache runs faster than decoding from a
-# memory map of the page cache, whose pages must be faulted in and dropped again
-# (`tools/bench_loader.py`'s codec-files case measures both).
+# memory map of the page cache, whose pages must be faulted in (and dropped again, or the
+# process's RSS grows with the data read): `tools/bench_loader.py`'s codec-files case
+# measures both.
 _STAGING = threading.local()
 _STAGING_BYTES = 1 << 20
 
@@ -56,9 +56,6 @@ class LocalStorage(Storage):
         self._fd_lock = threading.Lock()
         self._max_open = max_open_files
         self._pid = os.getpid()
-        # key -> read-only memory map, least recently used first. An evicted map is unmapped
-        # when the last view of it is released, so a reader holding one is never cut off.
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
 
     def _abs(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -118,12 +115,10 @@ class LocalStorage(Storage):
     def _read_staged(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[memoryview]:
         if not ranges:
             return
-        lo = min(offset for offset, _ in ranges)
-        hi = max(offset + nbytes for offset, nbytes in ranges)
-        cold = self._cold(key, ranges, lo, hi)
         staging = _take_staging(max(nbytes for _, nbytes in ranges))
         fd = self._open_fd(key)
         try:
+            cold = self._cold(key, fd, ranges)
             for k, (offset, nbytes) in enumerate(ranges):
                 if cold is not None:
                     cold.arrive(k)
@@ -131,31 +126,25 @@ class LocalStorage(Storage):
         finally:
             self._release_fd(key, fd)
             _give_back_staging(staging)
-            if cold is not None:
-                self._unmap(key, lo, hi - lo)
 
     def _cold(
-        self, key: str, ranges: Sequence[tuple[int, int]], lo: int, hi: int
+        self, key: str, fd: int, ranges: Sequence[tuple[int, int]]
     ) -> read_ahead.ColdRanges | None:
         """The pacing of a read whose bytes are not in the page cache (judged on the ends of
         their span), after asking for its first range; None when there is nothing to do."""
         if self.read_hints == "none":
             return None
-        fd = self._open_fd(key)
+        lo = min(offset for offset, _ in ranges)
+        hi = max(offset + nbytes for offset, nbytes in ranges)
         try:
-            if read_ahead.resident(fd, lo, hi - lo):
-                return None
+            if hi > os.fstat(fd).st_size or read_ahead.resident(fd, lo, hi - lo):
+                return None  # past the end: the read reports it
             if self.read_hints == "all at once":
                 read_ahead.advise(fd, ranges, unless_resident=False)
                 return None
         except OSError:  # a hint fails nothing: the read that follows reports what is wrong
             return None
-        finally:
-            self._release_fd(key, fd)
-        mapped = self._map(key)
-        if hi > len(mapped):  # past the end: the read reports it
-            return None
-        return read_ahead.ColdRanges(mapped, ranges, functools.partial(self._advise, key))
+        return read_ahead.ColdRanges(fd, ranges, functools.partial(self._advise, key))
 
     def _advise(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
         fd = self._open_fd(key)
@@ -199,41 +188,6 @@ class LocalStorage(Storage):
                     yield into[i][: _preadv_full(fd, [into[i][:nbytes]], offset)]
         finally:
             self._release_fd(key, fd)
-
-    def _map(self, key: str) -> memoryview:
-        """A shared read-only memory map of the file, kept open (up to ``max_open_files``); an
-        evicted map is unmapped once the last view of it is released."""
-        with self._fd_lock:
-            mapped = self._maps.get(key)
-            if mapped is not None:
-                self._maps.move_to_end(key)
-                return memoryview(mapped)
-        fd = self._open_fd(key)
-        try:
-            size = os.fstat(fd).st_size
-            if not size:  # mmap refuses empty files
-                return memoryview(b"")
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            self._release_fd(key, fd)
-        with self._fd_lock:
-            mapped = self._maps.setdefault(key, mapped)
-            while len(self._maps) > self._max_open:
-                self._maps.popitem(last=False)
-        return memoryview(mapped)
-
-    def _unmap(self, key: str, offset: int, nbytes: int) -> None:
-        """Drop this process's mapping of the range's pages: they stay in the page cache (the
-        next read maps them again for a few minor faults) but stop counting in the process's
-        resident memory, which would otherwise grow to the size of every shard read."""
-        with self._fd_lock:
-            mapped = self._maps.get(key)
-        if mapped is None:
-            return
-        start = offset - offset % mmap.PAGESIZE
-        end = min(offset + nbytes, len(mapped))
-        if end > start:
-            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Start reading the ranges not yet in the page cache from disk now, all at once."""
@@ -368,7 +322,6 @@ class LocalStorage(Storage):
                     else:
                         os.close(fd)
             self._fds = OrderedDict()
-            self._maps = OrderedDict()  # unmapped as the last views of each are released
 
     def __getstate__(self) -> dict:
         # Pickled into worker processes: descriptors and locks do not travel.

@@ -76,9 +76,8 @@ def merged(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class ColdRanges:
-    """The ranges of a mapped file that a read decodes in turn, while they are not in memory,
-    asked of the disk a few at a time so that they arrive in order, each while an earlier one
-    decodes.
+    """The ranges of a file that a read decodes in turn, while they are not in memory, asked of
+    the disk a few at a time so that they arrive in order, each while an earlier one decodes.
 
     Asked for all at once (one hint), the ranges share the device's bandwidth and arrive
     together: the decoding starts only once the whole run is in, so a cold read of a small
@@ -90,19 +89,22 @@ class ColdRanges:
 
     def __init__(
         self,
-        mapped: memoryview,
+        fd: int,
         ranges: Sequence[tuple[int, int]],
         hint: Callable[[Sequence[tuple[int, int]]], None],
     ):
-        self.mapped, self.ranges, self.hint = mapped, ranges, hint
+        self.fd, self.ranges, self.hint = fd, ranges, hint
         self.asked = 0  # the first range not asked for yet
+        self._probe = bytearray(1)
         self._ask_through(0)
 
     def arrive(self, k: int) -> None:
         """Range ``k`` is next to decode: wait for its bytes, then ask for the next ones."""
         offset, nbytes = self.ranges[k]
         if nbytes:
-            self.mapped[offset + nbytes - 1]  # noqa: B018 (a fault on a page under I/O waits for it)
+            # A read of a page under I/O waits for it (an error is the caller's read's to report).
+            with contextlib.suppress(OSError):
+                os.preadv(self.fd, [self._probe], offset + nbytes - 1)
         self._ask_through(k + COLD_RANGES_AHEAD)
 
     def _ask_through(self, last: int) -> None:

@@ -53,15 +53,16 @@ class Storage(abc.ABC):
         """The bytes of each (offset, nbytes) range of the object, in the order asked, each as
         soon as it is there: the one verb every ranged read goes through (zarr-python's
         ``Store.get_ranges``). How the bytes get here is the backend's business: a local disk
-        maps the file and has the kernel read the ranges ahead of their use, an object store
-        coalesces neighbouring ranges and sends the requests concurrently, a cached object
-        store serves its local copy.
+        reads them into a reused buffer, having the kernel read cold ranges ahead of their
+        use, an object store coalesces neighbouring ranges and sends the requests
+        concurrently, a cached object store serves its local copy.
 
         A range that runs past the end of the object comes back short (the caller reports
-        the truncation). Without ``into`` each view is read-only and stays valid as long as
-        the caller holds it; with ``into`` (one buffer per range, of its length) the bytes land
-        in the caller's buffers, and the part of each buffer filled is what comes back. Drop
-        or exhaust the iterator when done: the backend then releases what the read held."""
+        the truncation). Without ``into`` a view is valid until the next one is asked for or
+        the iterator ends (a backend may reuse its memory; copy what must outlive that);
+        with ``into`` (one buffer per range, of its length) the bytes land in the caller's
+        buffers, and the part of each buffer filled is what comes back. Drop or exhaust the
+        iterator when done: the backend then releases what the read held."""
 
     def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
         """A hint: these (offset, nbytes) ranges of the object are read soon. A backend may
