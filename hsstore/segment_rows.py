@@ -12,7 +12,7 @@ import xxhash
 from hsstore.errors import IntegrityError
 from hsstore.format import paths
 from hsstore.format.codecs import ChunkCodec
-from hsstore.format.damage import read_io
+from hsstore.format.damage import read_io, read_ranges_io
 from hsstore.format.manifest import Manifest
 from hsstore.format.segment_layout import EMPTY, ShardIndex, raw_rows_range
 from hsstore.format.store import Storage
@@ -155,8 +155,8 @@ class RowsRead:
                     f"chunk ({base + local}, {j}) of committed rows is missing", path=where
                 )
         reuse = self._reusable(plan, base)
-        views = read_io(
-            reader.storage.read_ranges,
+        views = read_ranges_io(
+            reader.storage,
             key,
             [(offset, nbytes) for k, (_, _, offset, nbytes) in enumerate(plan) if k != reuse],
         )

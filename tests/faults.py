@@ -140,10 +140,13 @@ class FaultyStorage(Storage):
     read_bytes = _verb("read_bytes")
 
     def read_ranges(self, key: str, ranges: Any, into: Any = None) -> Iterator[memoryview]:
-        # Taken whole inside the call, so a fault lands where the request would fail.
-        return iter(
-            self._run("read_ranges", key, lambda: list(self.inner.read_ranges(key, ranges, into)))
-        )
+        # Taken whole inside the call, so a fault lands where the request would fail; copied,
+        # since a backend may reuse a view's memory for the next range.
+        def read() -> list[memoryview]:
+            views = self.inner.read_ranges(key, ranges, into)
+            return list(views) if into is not None else [memoryview(bytes(v)) for v in views]
+
+        return iter(self._run("read_ranges", key, read))
 
     size = _verb("size")
     exists = _verb("exists")

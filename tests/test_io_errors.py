@@ -5,6 +5,8 @@ exactly them); an EIO that a retry gets past is not damage and costs nothing. In
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -13,6 +15,7 @@ import hsstore
 from hsstore import integrity
 from hsstore.cli import main
 from hsstore.format import damage
+from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at
 from tests.test_repair_beside_writer import _build, _sample
@@ -77,7 +80,7 @@ def test_a_persistent_eio_costs_exactly_the_samples_of_its_file(tmp_path, file):
 def test_a_transient_eio_is_not_damage(tmp_path):
     location = str(tmp_path / "ds")
     seg = _build(location, 3).manifest.segments[1]
-    for verb, part in (("read_bytes", "index.parquet"), ("read_into", "states/c/")):
+    for verb, part in (("read_bytes", "index.parquet"), ("read_ranges", "states/c/")):
         # Two failures in a row, then the disk answers again.
         faulty = FaultyStorage(
             open_storage(location), at(verb, f"{seg.id}/{part}", Fault("fail"), times=2)
@@ -122,3 +125,47 @@ def test_repair_keeps_a_segment_whose_io_errors_stop_before_it_publishes(tmp_pat
     assert hsstore.repair(faulty).version is None
     assert faulty.tally.counts["fail"] == 8
     assert len(hsstore.open(location)) == 6 and hsstore.verify(location).ok
+
+
+class FailsMidRead(LocalStorage):
+    """The real local storage, whose reads of states fail with EIO on their second range
+    (after the first was handed out) the first ``times`` times: a read that fails part-way,
+    which no retry of the whole call covers."""
+
+    def __init__(self, root: str, times: int):
+        super().__init__(root)
+        self.left, self.failures = times, 0
+
+    def read_ranges(self, key, ranges, into=None):
+        views = super().read_ranges(key, ranges, into)
+        return views if into is not None or "states/c/" not in key else self._failing(key, views)
+
+    def _failing(self, key, views):
+        for k, view in enumerate(views):
+            if k == 1 and self.left:
+                self.left, self.failures = self.left - 1, self.failures + 1
+                raise OSError(errno.EIO, "Input/output error", self.path_of(key))
+            yield view
+
+
+@pytest.mark.parametrize("times", [2, 100])
+def test_an_eio_part_way_through_a_read_is_retried_from_the_range_it_hit(tmp_path, times):
+    location = str(tmp_path / "ds")
+    ds = hsstore.create(location, layers=[hsstore.LayerSpec(depth=1), hsstore.LayerSpec(depth=2)],
+                        hidden_size=64, dtype=torch.bfloat16, chunk_bytes=1024)  # fmt: skip
+    states = {f"s{i}": torch.randn(20 + i, 2, 64).to(torch.bfloat16) for i in range(3)}
+    with ds.writer() as w:
+        for name, hidden in states.items():  # several chunks per sample: several ranges
+            w.add(
+                name, torch.arange(len(hidden)), torch.ones(len(hidden), dtype=torch.int64), hidden
+            )
+    storage = FailsMidRead(location, times)
+    ds = hsstore.open(storage)
+    if times == 2:  # a glitch: every sample reads, bit for bit
+        for name, hidden in states.items():
+            assert torch.equal(ds.get(name).hidden, hidden)
+        assert storage.failures == 2
+    else:  # persistent: damage, named
+        with pytest.raises(hsstore.IntegrityError, match="I/O error on each of 4 tries"):
+            ds.get("s0")
+        assert storage.failures == 4

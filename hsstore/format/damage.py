@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hsstore.errors import HsstoreError, IntegrityError
+
+if TYPE_CHECKING:
+    from hsstore.format.store import Storage
 
 # A read failing with EIO is tried again after each of these waits; failing every time (about
 # 2 s), its file is reported damaged.
@@ -31,13 +34,35 @@ def read_io(read: Callable[..., _T], *args: Any) -> _T:
         try:
             return read(*args)
         except OSError as exc:
-            if exc.errno != errno.EIO or isinstance(exc, HsstoreError):
-                raise
-            if pause is None:
-                raise IntegrityError(
-                    f"cannot read: {PERSISTENT_EIO} {len(EIO_RETRY_WAITS_S) + 1} tries over "
-                    f"{sum(EIO_RETRY_WAITS_S):g} s ({exc.strerror or exc}): the file is damaged",
-                    path=exc.filename,
-                ) from exc
-            time.sleep(pause)
+            _wait_or_raise(exc, pause)
     raise AssertionError("unreachable")
+
+
+def read_ranges_io(
+    storage: Storage, key: str, ranges: Sequence[tuple[int, int]]
+) -> Iterator[memoryview]:
+    """`Storage.read_ranges` of a committed file, view by view, under the same rule: a read
+    failing with EIO part-way starts again from the range it failed on."""
+    done = 0
+    for pause in (*EIO_RETRY_WAITS_S, None):
+        try:
+            for view in storage.read_ranges(key, ranges[done:]):
+                yield view
+                done += 1
+            return
+        except OSError as exc:
+            _wait_or_raise(exc, pause)
+
+
+def _wait_or_raise(exc: OSError, pause: float | None) -> None:
+    """After a failed try: wait ``pause`` before the next, unless the error is not an EIO or
+    this was the last try (then the damage report)."""
+    if exc.errno != errno.EIO or isinstance(exc, HsstoreError):
+        raise exc
+    if pause is None:
+        raise IntegrityError(
+            f"cannot read: {PERSISTENT_EIO} {len(EIO_RETRY_WAITS_S) + 1} tries over "
+            f"{sum(EIO_RETRY_WAITS_S):g} s ({exc.strerror or exc}): the file is damaged",
+            path=exc.filename,
+        ) from exc
+    time.sleep(pause)
