@@ -221,8 +221,9 @@ def split_layers(
 
 
 def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2):
-    """The dataset at ``path``, waiting for the extraction to create it (``--follow`` may start
-    with the extraction: its start-up then overlaps the extraction's)."""
+    """The dataset at ``path``, once the extraction has created it (``--follow`` may start first)."""
+    import torch._dynamo  # noqa: F401  (the optimizer's import, seconds of CPU: before the wait)
+
     import hsstore
     from hsstore.errors import NotADatasetError
 
