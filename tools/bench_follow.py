@@ -32,8 +32,8 @@ E and T as the sequential way measured them.
     python tools/bench_follow.py --rounds 3      # the figure in docs/PERFORMANCE.md
     python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
 
-The last line is machine-readable (the 2-core machine at a load average of 0.8 to 2.0):
-    follow_wall_vs_sequential=0.54 first_step_s=5.1
+The last line is machine-readable (the 2-core machine at a load average of 0.8 to 1.1):
+    follow_wall_vs_sequential=0.56 first_step_s=4.2
 """
 
 from __future__ import annotations
