@@ -179,34 +179,34 @@ class FirstPass:
         """True once batch ``g`` of the pass exists; False if the pass ended before it (or the
         wait was stopped: ``stop`` is a threading or multiprocessing Event).
 
-        Looks for a new version after ``FIRST_POLL_S``, then twice as long each time, up to
-        ``poll_s``: an extraction commits at a steady pace, so most waits end soon after they
-        begin, and a commit is seen within about the time already waited for it rather than
-        up to a whole ``poll_s`` late.
+        Looks for a new version after ``FIRST_POLL_S``, then after a quarter of the time
+        waited so far, up to ``poll_s``: a commit is seen within about a quarter of the time
+        already waited for it (the follower is often waiting for the extraction's last commit,
+        and everything after that is the run's tail), while a long wait costs a look per
+        ``poll_s``.
         """
         waited_since = time.monotonic()
-        pause = FIRST_POLL_S
         while True:
             if self.ready(g):
                 return g < self._num_planned()
             if stop is not None and stop.is_set():
                 return False
             if self._poll():
-                waited_since, pause = time.monotonic(), FIRST_POLL_S
+                waited_since = time.monotonic()
                 continue
+            waited = time.monotonic() - waited_since
             timeout = self.follow.timeout_s
-            if timeout is not None and time.monotonic() - waited_since > timeout:
+            if timeout is not None and waited > timeout:
                 raise FollowTimeoutError(
                     f"no new version for {timeout:g} s and the extraction has not recorded "
                     f"its completion (following from version {self.state.start_version})",
                     path=self.source.path,
                 )
-            pause = min(pause, self.follow.poll_s)
+            pause = min(self.follow.poll_s, max(FIRST_POLL_S, waited / 4))
             if stop is not None:
                 stop.wait(pause)
             else:
                 time.sleep(pause)
-            pause *= 2
 
     def batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         k = int(np.searchsorted(self._ends, g, side="right"))

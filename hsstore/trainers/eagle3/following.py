@@ -21,6 +21,8 @@ from hsstore.format.runs import completion
 def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2) -> Dataset:
     """The dataset at ``path``, waiting for the extraction to create it (its start-up then
     overlaps the extraction's)."""
+    import torch._dynamo  # noqa: F401  (the optimizer's import, seconds of CPU: before the wait)
+
     import hsstore
 
     t0 = time.monotonic()
