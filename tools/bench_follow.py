@@ -33,7 +33,7 @@ E and T as the sequential way measured them.
     python tools/bench_follow.py --prompts 24 --rounds 1   # smoke test
 
 The last line is machine-readable (the 2-core machine at a load average of 0.8 to 1.1):
-    follow_wall_vs_sequential=0.56 first_step_s=4.2
+    follow_wall_vs_sequential=0.59 first_step_s=5.0
 """
 
 from __future__ import annotations
