@@ -187,8 +187,9 @@ def test_reader_memory_per_thread_does_not_grow_with_segments(tmp_path):
     per_thread = (
         _held_while_reading(tmp_path / "ds", 4) - _held_while_reading(tmp_path / "ds", 1)
     ) / 3
-    # Before: every segment reader kept ~2 chunks per reading thread (here ~80 chunks each).
-    # The 1-thread figure holds what is per segment but shared (token columns, shard indexes).
+    # A thread holds a scratch chunk and a staging buffer for encoded chunks, whatever the
+    # number of segments (40 here). The 1-thread figure holds what is per segment but shared
+    # (token columns, shard indexes).
     assert per_thread < 4 * chunk, per_thread / chunk
 
 

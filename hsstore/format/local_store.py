@@ -34,7 +34,7 @@ _MAX_IOV = 1000
 # process's RSS grows with the data read): `tools/bench_loader.py`'s codec-files case
 # measures both.
 _STAGING = threading.local()
-_STAGING_BYTES = 1 << 20
+_STAGING_MIN_BYTES = 64 << 10
 
 
 class LocalStorage(Storage):
@@ -386,26 +386,24 @@ def _fsync_dir(path: str) -> None:
 
 
 def _take_staging(nbytes: int) -> memoryview:
-    """A staging buffer of at least ``nbytes`` from this thread's pool (a thread may hold a
-    read open while it starts another)."""
+    """A staging buffer of at least ``nbytes`` from this thread's pool: the one it keeps, or a
+    new one (a thread may hold a read open while it starts another)."""
     pool = getattr(_STAGING, "pool", None)
     if pool is None:
         pool = _STAGING.pool = []
-    for i, buf in enumerate(pool):
-        if len(buf) >= nbytes:
-            return pool.pop(i)
-    return memoryview(bytearray(max(nbytes, _STAGING_BYTES)))
+    if pool and len(pool[-1]) >= nbytes:
+        return pool.pop()
+    return memoryview(bytearray(max(_STAGING_MIN_BYTES, 1 << (nbytes - 1).bit_length())))
 
 
 def _give_back_staging(buf: memoryview) -> None:
     """Back into the pool of the thread that ends the read (an abandoned read may end in
-    another thread, when it is collected)."""
+    another thread, when it is collected), which keeps only its largest buffer."""
     pool = getattr(_STAGING, "pool", None)
     if pool is None:
         pool = _STAGING.pool = []
-    pool.append(buf)
-    if len(pool) > 2:  # keep the two largest
-        del pool[min(range(len(pool)), key=lambda i: len(pool[i]))]
+    if not pool or len(buf) > len(pool[-1]):
+        pool[:] = [buf]
 
 
 def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
