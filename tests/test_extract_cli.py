@@ -207,9 +207,11 @@ def test_kill_9_then_restart_equals_uninterrupted_run(setup, reference):
     summary = json.loads(stdout)
     assert summary["samples_already_present"] == committed
     assert summary["samples_written"] == N_ROWS - 1 - committed
-    # each stalled worker had started a segment it never committed: debris once its lease lapsed
+    # each stalled worker had started a segment it never committed: debris once its lease
+    # lapsed, removed by the rerun's own gc when older than its grace (a slow machine), else here
     time.sleep(1.2)
-    assert len(hsstore.gc(out, grace_s=0).removed_segments) >= 1
+    removed = len(hsstore.gc(out, grace_s=0).removed_segments)
+    assert summary["debris_segments_removed"] + removed >= 1
 
     ref, got = hsstore.open(ref_out), hsstore.open(out)
     assert sorted(got.sample_ids) == sorted(ref.sample_ids)
