@@ -16,7 +16,7 @@ import stat
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from hsstore.errors import FormatError, NotADatasetError
@@ -219,21 +219,7 @@ class LocalStorage(Storage):
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def put(self, key: str, data: bytes) -> None:
-        path = self._abs(key)
-        folder = os.path.dirname(path)
-        for attempt in range(_TEMP_ATTEMPTS):
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-            try:
-                with open(tmp, "xb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-                return
-            except FileNotFoundError:
-                # The temp file (or its folder) was removed meanwhile, by a gc run told to take
-                # young temp files (``--grace 0``): write it again.
-                if attempt == _TEMP_ATTEMPTS - 1:
-                    raise
+        _publish_via_temp(self._abs(key), data, os.replace, durable=False)
 
     def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
         path = self._abs(key)
@@ -261,30 +247,12 @@ class LocalStorage(Storage):
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._abs(key)
-        folder = os.path.dirname(path)
-        for attempt in range(_TEMP_ATTEMPTS):
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-            try:
-                with _naming(path), open(tmp, "xb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.link(tmp, path)
-            except FileExistsError:
-                return holds(self, key, data)
-            except FileNotFoundError:
-                # The temp file was removed before its link (a gc told to take young temp
-                # files, ``--grace 0``): nothing was created, so write it again.
-                if attempt == _TEMP_ATTEMPTS - 1:
-                    raise
-                continue
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            _fsync_dir(folder)
-            return True
-        raise AssertionError("unreachable")
+        try:
+            _publish_via_temp(path, data, os.link, durable=True)
+        except FileExistsError:
+            return holds(self, key, data)
+        _fsync_dir(os.path.dirname(path))
+        return True
 
     def list(self, prefix: str) -> list[str]:
         try:
@@ -386,24 +354,48 @@ def _fsync_dir(path: str) -> None:
 
 
 def _take_staging(nbytes: int) -> memoryview:
-    """A staging buffer of at least ``nbytes`` from this thread's pool: the one it keeps, or a
-    new one (a thread may hold a read open while it starts another)."""
-    pool = getattr(_STAGING, "pool", None)
-    if pool is None:
-        pool = _STAGING.pool = []
-    if pool and len(pool[-1]) >= nbytes:
-        return pool.pop()
+    """This thread's staging buffer if it holds ``nbytes``, else a new one (a thread may hold a
+    read open while it starts another: that read then has its own)."""
+    kept = getattr(_STAGING, "buf", None)
+    if kept is not None and len(kept) >= nbytes:
+        _STAGING.buf = None
+        return kept
     return memoryview(bytearray(max(_STAGING_MIN_BYTES, 1 << (nbytes - 1).bit_length())))
 
 
 def _give_back_staging(buf: memoryview) -> None:
-    """Back into the pool of the thread that ends the read (an abandoned read may end in
-    another thread, when it is collected), which keeps only its largest buffer."""
-    pool = getattr(_STAGING, "pool", None)
-    if pool is None:
-        pool = _STAGING.pool = []
-    if not pool or len(buf) > len(pool[-1]):
-        pool[:] = [buf]
+    """Kept by the thread that ends the read (an abandoned read may end in another thread,
+    when it is collected), if larger than the one it keeps."""
+    kept = getattr(_STAGING, "buf", None)
+    if kept is None or len(buf) > len(kept):
+        _STAGING.buf = buf
+
+
+def _publish_via_temp(
+    path: str, data: bytes, publish: Callable[[str, str], None], *, durable: bool
+) -> None:
+    """Write ``data`` to a fresh temporary file beside ``path`` (fsynced if ``durable``), then
+    ``publish(tmp, path)``: a rename or a hard link. A gc told to take young temporary files
+    (``--grace 0``) may remove the file or its folder before that: nothing was published, so
+    it is written again."""
+    folder = os.path.dirname(path)
+    for attempt in range(_TEMP_ATTEMPTS):
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+        try:
+            with _naming(path), open(tmp, "xb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            publish(tmp, path)
+            return
+        except FileNotFoundError:
+            if attempt == _TEMP_ATTEMPTS - 1:
+                raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
