@@ -35,6 +35,7 @@ from obstore.exceptions import (
 from obstore.store import ObjectStore, from_url
 
 from hsstore.errors import StorageError
+from hsstore.format.heap import keep_response_buffers
 from hsstore.format.store import ObjectInfo, Storage, holds
 from hsstore.format.store_cache import LocalCache
 
@@ -125,6 +126,7 @@ class ObjectStorage(Storage):
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
         self._pid = os.getpid()
+        keep_response_buffers()  # each GET's body is a fresh ~1 MiB block otherwise
 
     # -- errors ----------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], T]) -> T:
