@@ -1,7 +1,7 @@
 """Keeping the HTTP client's response buffers in the heap rather than in fresh pages.
 
 obstore collects each ranged GET's body into one buffer of the range's size (up to
-`object_store.SPLIT_BYTES`, 1 MiB), allocated by the process's ``malloc`` on one of the tokio
+`object_store.SPLIT_BYTES`, 16 MiB), allocated by the process's ``malloc`` on one of the tokio
 runtime's threads and freed once the bytes are copied out. glibc serves a block of 128 KiB or
 more with its own ``mmap`` and returns it with ``munmap`` (its threshold rises only after such a
 block is freed, and each arena gives back any free top of heap past twice that threshold), so
@@ -28,8 +28,8 @@ import threading
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# Blocks below this come from the arenas: every response buffer (1 MiB ranges) with room.
-MMAP_THRESHOLD = 8 << 20
+# Blocks below this come from the arenas: every response buffer (16 MiB at most) with room.
+MMAP_THRESHOLD = 32 << 20
 # Free heap an arena keeps: a few batches of responses in flight.
 TRIM_THRESHOLD = 64 << 20
 _GLIBC_VARIABLES = (

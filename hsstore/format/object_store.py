@@ -47,9 +47,12 @@ PART_BYTES = 8 << 20
 # How often a create that got no answer at all (a broken connection) is sent again.
 CREATE_ATTEMPTS = 4
 UNREACHABLE = "cannot reach the storage endpoint"
-# A ranged read: runs longer than this go as several concurrent GETs; ranges at most
-# `GAP_BYTES` apart as one run; at most `BATCH_BYTES` of ranges fetched in one call.
-SPLIT_BYTES = 1 << 20
+# A ranged read: ranges at most `GAP_BYTES` apart go as one run, one GET, and runs longer than
+# `SPLIT_BYTES` as several concurrent GETs; at most `BATCH_BYTES` of ranges fetched in one call.
+# A GET costs the server (and the client) per request as well as per byte: a sample's run of
+# chunks, a few MiB, is one request, as a whole-object reader's would be; the loader's threads
+# keep many samples' requests in flight.
+SPLIT_BYTES = 16 << 20
 GAP_BYTES = 4096
 BATCH_BYTES = 32 << 20
 
