@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV_PYTHON:-.venv/bin/python}  # the environment the overlays go on top of
 # 4.45.0: the lowest pyproject allows; 5.8.1: SpecForge 0.2's pin; 5.19.0: sglang 0.5.23's and
-# speculators 0.9's; newest: the registry's latest release, looked up on every run.
+# speculators 0.9's; newest: the registry's latest release that installs from it (a release
+# whose own requirements the registry lacks is named and passed over), looked up on every run.
 VERSIONS=${TRANSFORMERS_VERSIONS:-"4.45.0 5.8.1 5.19.0 newest"}
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/hsstore
 TESTS=(tests/test_extract_golden.py tests/test_extract_selection.py tests/test_extract_prompts.py)
@@ -16,8 +17,35 @@ PYTAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1
 # Everything .venv has, pinned, except what a transformers release brings its own version of.
 FLOATING='^(transformers|tokenizers|huggingface[-_]hub|hf[-_]xet)=='
 
-newest() {
-    "$PY" -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$/\1/p'
+releases() { # the registry's transformers releases, newest first
+    "$PY" -m pip index versions transformers 2>/dev/null |
+        sed -n 's/^Available versions: //p' | tr ',' '\n' | tr -d ' '
+}
+
+constraints_of_venv() { # $1 file: everything .venv has, pinned, but what a release brings
+    "$PY" -m pip freeze --exclude-editable | grep -viE "$FLOATING" | grep '==' >"$1"
+}
+
+installable() { # $1 version: whether the registry has everything that release needs here
+    local tmp ok=0
+    tmp=$(mktemp -d)
+    constraints_of_venv "$tmp/constraints.txt"
+    "$PY" -m pip install --quiet --dry-run --ignore-installed -c "$tmp/constraints.txt" \
+        "transformers==$1" >/dev/null 2>&1 || ok=1
+    rm -rf "$tmp"
+    return $ok
+}
+
+newest() { # the newest release that installs, trying the five newest
+    local v
+    for v in $(releases | head -n 5); do
+        if [ -f "$CACHE/transformers-$v-$PYTAG/OVERLAY" ] || installable "$v"; then
+            echo "$v"
+            return 0
+        fi
+        echo "transformers $v: the package index lacks what it requires here; passed over" >&2
+    done
+    return 1
 }
 
 build_overlay() { # $1 version, $2 overlay dir
@@ -25,7 +53,7 @@ build_overlay() { # $1 version, $2 overlay dir
     tmp=$(mktemp -d)
     constraints=$tmp/constraints.txt
     report=$tmp/report.json
-    "$PY" -m pip freeze --exclude-editable | grep -viE "$FLOATING" | grep '==' >"$constraints"
+    constraints_of_venv "$constraints"
     "$PY" -m pip install --quiet --dry-run --ignore-installed --report "$report" \
         -c "$constraints" "transformers==$1"
     # what the resolution needs that .venv lacks at that exact version
@@ -55,8 +83,8 @@ EOF
 status=0
 for want in $VERSIONS; do
     if [ "$want" = newest ]; then
-        want=$(newest)
-        [ -n "$want" ] || { echo "cannot look up the newest transformers release" >&2; exit 1; }
+        want=$(newest) || true
+        [ -n "$want" ] || { echo "cannot find an installable transformers release" >&2; exit 1; }
     fi
     overlay=$CACHE/transformers-$want-$PYTAG
     if [ ! -f "$overlay/OVERLAY" ]; then
