@@ -66,3 +66,24 @@ def test_a_loader_state_for_another_plan_has_its_own_error(tmp_path):
     assert not isinstance(info.value, hsstore.ConflictError)
     with pytest.raises(hsstore.LoaderStateError, match="newer than this hsstore"):
         Loader(str(tmp_path / "ds"), max_tokens=16).load_state_dict({**state, "version": 99})
+
+
+def test_a_cli_error_is_one_line_where_numcodecs_would_warn_on_import(tmp_path):
+    # numcodecs warns on import, through a filter of its own that shows it, wherever the crc32c
+    # package is found and google-crc32c is not; the CLI's one line must stay one line there.
+    import subprocess
+    import sys
+
+    hide = (
+        "import importlib.util, sys; real = importlib.util.find_spec;"
+        "importlib.util.find_spec = lambda n, *a: None if n == 'google_crc32c' else real(n, *a);"
+        "from hsstore.cli import main; main(['verify', sys.argv[1]])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", hide, str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "missing" in out.stderr

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -37,9 +38,15 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 import zstandard
-from numcodecs import blosc as _blosc
 
 from hsstore.errors import FormatError, IntegrityError
+
+# numcodecs (0.16.4 and later) warns on import when it finds the crc32c package rather than
+# google-crc32c, through a filter of its own that shows the warning: a stray line in front of
+# every CLI message. Its checksum codecs are not used here (chunks are checked with crc32c
+# directly), so the warning is recorded and dropped, and its filter goes with the block.
+with warnings.catch_warnings(record=True):
+    from numcodecs import blosc as _blosc
 
 # We run our own thread pools; blosc's internal threads would fight them for the two cores.
 _blosc.use_threads = False
