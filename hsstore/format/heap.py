@@ -6,9 +6,9 @@ runtime's threads and freed once the bytes are copied out. glibc serves a block 
 more with its own ``mmap`` and returns it with ``munmap`` (its threshold rises only after such a
 block is freed, and each arena gives back any free top of heap past twice that threshold), so
 under many requests in flight most bodies land in pages the kernel must fault in and zero
-first: on a remote read of uncompressed states that doubled the client's CPU per byte
-(``tools/bench_remote.py``). Raising both thresholds once keeps those blocks in the arenas,
-where the next response reuses them.
+first, a cost per byte on the scale of the read itself (docs/PERFORMANCE.md, "Remote reads").
+Raising both thresholds once keeps those blocks in the arenas, where the next response reuses
+them.
 
 The setting is process-wide and lasts, so it is made only on glibc, only once, and never over a
 choice the user made through glibc's own environment variables (``MALLOC_MMAP_THRESHOLD_``,
