@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,9 +73,6 @@ def test_a_loader_state_for_another_plan_has_its_own_error(tmp_path):
 def test_a_cli_error_is_one_line_where_numcodecs_would_warn_on_import(tmp_path):
     # numcodecs warns on import, through a filter of its own that shows it, wherever the crc32c
     # package is found and google-crc32c is not; the CLI's one line must stay one line there.
-    import subprocess
-    import sys
-
     hide = (
         "import importlib.util, sys; real = importlib.util.find_spec;"
         "importlib.util.find_spec = lambda n, *a: None if n == 'google_crc32c' else real(n, *a);"

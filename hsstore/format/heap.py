@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
-import threading
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -38,20 +38,13 @@ _GLIBC_VARIABLES = (
     "MALLOC_TOP_PAD_",
     "MALLOC_MMAP_MAX_",
 )
-_lock = threading.Lock()
-_state: dict[str, bool] = {}
 
 
+@functools.cache
 def keep_response_buffers() -> bool:
     """Raise glibc's mmap and trim thresholds once per process (see the module's docstring);
-    True when they are set (now or before), False where this process leaves malloc alone."""
-    with _lock:
-        if "done" not in _state:
-            _state["done"] = _apply()
-        return _state["done"]
-
-
-def _apply() -> bool:
+    True when they are set (now or before), False where this process leaves malloc alone.
+    (Two threads racing on the first call both set the same values, which is harmless.)"""
     if os.environ.get("HSSTORE_MALLOC_TUNING", "1") == "0":
         return False
     if any(name in os.environ for name in _GLIBC_VARIABLES):

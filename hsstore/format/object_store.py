@@ -129,7 +129,7 @@ class ObjectStorage(Storage):
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
         self._pid = os.getpid()
-        keep_response_buffers()  # each GET's body is a fresh ~1 MiB block otherwise
+        keep_response_buffers()  # otherwise each GET's body lands in freshly mapped pages
 
     # -- errors ----------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], T]) -> T:
