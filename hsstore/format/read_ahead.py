@@ -9,7 +9,12 @@ fails nothing: the read that follows reports what is wrong.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
+import platform
+import sys
 from collections.abc import Callable, Sequence
 
 # Hints need posix_fadvise and non-blocking reads (Linux).
@@ -24,11 +29,59 @@ HINT_PIECE_BYTES = 1 << 20
 COLD_RANGES_AHEAD = 2
 
 
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+_CACHESTAT = 451  # the syscall's number (Linux 6.5+) on every architecture but alpha
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_cachestat_works = sys.platform == "linux" and platform.machine() != "alpha"
+
+
+def cachestat_pages(fd: int, offset: int) -> int | None:
+    """Pages of the file's page cache at ``offset`` (0 or 1) by `cachestat`, which looks without
+    reading; None where the kernel lacks it (then never asked again)."""
+    global _cachestat_works
+    libc = _libc() if _cachestat_works else None
+    if libc is None:
+        return None
+    span, stat = _Range(offset, 1), _CacheStat()
+    if libc.syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0:
+        return stat.nr_cache
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter
+        _cachestat_works = False
+    return None
+
+
 def cached(fd: int, offset: int) -> bool:
-    """Whether the byte at ``offset`` of the file is in the page cache: a 1-byte read that
-    fails with EAGAIN rather than wait for the disk (a miss may start the read of that page,
-    which the caller's hint covers anyway). True where the probe is not supported, so the
-    caller does nothing it would not have done without it."""
+    """Whether the byte at ``offset`` of the file is in the page cache (or on its way there).
+
+    `cachestat` answers without touching the page. Where the kernel lacks it, a 1-byte read
+    that fails with EAGAIN rather than wait for the disk answers instead; such a miss starts
+    the read of that page, which on a fast device may land before the read looks again, so
+    that probe can call a cold page cached (a hint then skipped, a read then not paced).
+    True where neither works, so the caller does nothing it would not have done without it."""
+    pages = cachestat_pages(fd, offset)
+    if pages is not None:
+        return pages > 0
     try:
         os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
     except BlockingIOError:
