@@ -13,8 +13,8 @@ shuffled order, from one thread, into a reused buffer:
 Each pass runs with each setting of the local storage's `read_hints`: "in order" (the default:
 a compressed read asks for its chunks in order, a few ahead of its decoding), "all at once"
 (all the chunks of a read in one hint before the first is decoded; compressed data only, an
-uncompressed read has no chunks to pace) and "none" (page faults on the shard maps read the
-device's readahead window around them), the cases in turn, their order rotated from one repeat
+uncompressed read has no chunks to pace) and "none" (plain reads, with the kernel's own
+readahead around them), the cases in turn, their order rotated from one repeat
 to the next, best of ``--repeats``.
 
     python tools/bench_cold.py            # ~0.6 GB of data, a few minutes

@@ -42,8 +42,8 @@ class LocalStorage(Storage):
 
     # How a read gets bytes not yet in the page cache off the disk: "in order" (each range
     # asked for a few ahead of its decoding, `ColdRanges`), "all at once" (one hint for the
-    # whole read before its first range) or "none" (page faults read the device's readahead
-    # window around them). The last two are there for `tools/bench_cold.py` to compare.
+    # whole read before its first range) or "none" (the kernel's own readahead around each
+    # read). The last two are there for `tools/bench_cold.py` to compare.
     read_hints: str = "in order" if read_ahead.SUPPORTED else "none"
 
     def __init__(self, root: str | os.PathLike[str], *, max_open_files: int = 128):

@@ -1,8 +1,8 @@
 """Getting a local read's bytes off the disk before its decoding needs them.
 
 `LocalStorage` tells the kernel which byte ranges a read needs next (`posix_fadvise(WILLNEED)`),
-so the device reads exactly those instead of the readahead window around a page fault, and
-reads them while the CPU decodes. Hints never change what a read returns, and a failed hint
+so the device reads exactly those instead of the kernel's readahead guess around each read,
+and reads them while the CPU decodes. Hints never change what a read returns, and a failed hint
 fails nothing: the read that follows reports what is wrong.
 """
 
@@ -98,14 +98,13 @@ def resident(fd: int, offset: int, nbytes: int) -> bool:
 
 def advise(fd: int, ranges: Sequence[tuple[int, int]], *, unless_resident: bool) -> None:
     """Start reading the ranges from disk now (returns once the reads are queued), so the reads
-    that follow (faults on a map, or `preadv`s) wait only for reads already under way.
+    that follow wait only for reads already under way.
 
-    Without it a fault on an uncached page of a map reads the device's whole readahead window
-    around it, and waits for it: with an 8 MiB ``read_ahead_kb`` a cold random read of a 0.7 MB
-    sample moved up to 8 MiB and ran 3-5x slower than with the hint (a data set larger than the
-    page cache is read that way). Pages read this way carry no readahead marks, so the faults
-    that follow start no further reads. The kernel caps one hint at the device's largest
-    request or readahead window, hence the pieces.
+    Without it a read of an uncached page waits for it, and the kernel's on-demand readahead
+    reads around it by its own guess of what comes next, which knows nothing of where a sample
+    ends. Pages read this way carry no readahead marks, so the reads that follow start no
+    further readahead. The kernel caps one hint at the device's largest request or readahead
+    window, hence the pieces.
 
     With ``unless_resident`` a range already in the page cache is left alone: the hint would
     look up every one of its pages again, so its ends are probed first (`resident`)."""
