@@ -44,14 +44,8 @@ import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
 from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
 from hsstore.format.local_store import LocalStorage  # noqa: E402
-from tools.bench_peers import (  # noqa: E402
-    Sample,
-    data_arguments,
-    evict,
-    parse_data_arguments,
-    real,
-    synthetic,
-)
+from tools.bench_peers import data_arguments, parse_data_arguments, real, synthetic  # noqa: E402
+from tools.peer_formats import Sample, evict  # noqa: E402
 
 
 def write(root: Path, samples: list[Sample], codec: str) -> None:
