@@ -4,6 +4,7 @@ receives them unchanged beside its own slice of the work."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import pydoc
 
@@ -50,3 +51,21 @@ def test_each_worker_gets_the_options_unchanged_and_its_slice():
         assert spec.layers == tuple(layers)
         assert (spec.device, spec.dtype) == ("cpu", "bfloat16")
         assert pickle.loads(pickle.dumps(spec)) == spec  # what a spawned worker receives
+
+
+def test_workers_take_omp_num_threads_where_set_else_share_the_cores(monkeypatch):
+    opts = ExtractOptions(model="m", data="d", out="o", workers=2)
+    layers = [LayerSpec(2)]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    specs = worker_specs(opts, layers, 0, 1, device="cpu", dtype="bfloat16")
+    assert [(s.torch_threads, s.encode_threads) for s in specs] == [(3, 3), (3, 3)]
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cores = len(os.sched_getaffinity(0))
+    specs = worker_specs(opts, layers, 0, 1, device="cpu", dtype="bfloat16")
+    assert {s.torch_threads for s in specs} == {max(1, cores // 2)}
+    monkeypatch.setenv("OMP_NUM_THREADS", "none")  # not a count: ignored
+    assert worker_specs(opts, layers, 0, 1, device="cpu", dtype="bfloat16")[0].torch_threads == max(
+        1, cores // 2
+    )
+    specs = worker_specs(opts, layers, 0, 1, device="cuda", dtype="bfloat16")
+    assert {s.torch_threads for s in specs} == {None}  # a GPU worker leaves torch's own count

@@ -147,6 +147,19 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     return summary
 
 
+def threads_per_worker(workers: int) -> int:
+    """Threads of each worker process: ``OMP_NUM_THREADS`` where the user set it (a per-process
+    count, as torch and OpenMP read it), else the cores this process may run on, shared out."""
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
 def worker_specs(
     opts: ExtractOptions,
     layers: list[LayerSpec],
@@ -156,8 +169,9 @@ def worker_specs(
     device: str,
     dtype: str,
 ) -> list[WorkerSpec]:
-    """This node's workers: each gets ``opts`` unchanged and its own slice of the work."""
-    threads = max(1, (os.cpu_count() or 1) // opts.workers)
+    """This node's workers: each gets ``opts`` unchanged, its own slice of the work and
+    `threads_per_worker` threads."""
+    threads = threads_per_worker(opts.workers)
     return [
         WorkerSpec(
             options=opts,
