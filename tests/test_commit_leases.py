@@ -19,7 +19,8 @@ from hsstore.format import commit, paths
 from hsstore.format.local_store import LocalStorage
 from hsstore.format.locations import open_storage
 from hsstore.format.store import Storage
-from tests.faults import stopped_at
+from hsstore.writer import Writer
+from tests.faults import Fault, FaultyStorage, at, stopped_at
 from tools.synthetic import random_sample
 
 TTL = 0.4
@@ -85,15 +86,13 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
     version and removed it; the writer reads that version while catching up and refuses to
     publish a manifest that would reference missing files, naming the sample."""
     ds = _make(location)
-    w = ds.writer(lease_ttl_s=TTL)
     stalled = threading.Event()
     release = threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        release.wait()
-
-    w.leases.before_heartbeat = stall
+    # The heartbeat's first refresh of the lease (a put; taking it is a conditional create)
+    # hangs at the storage until released.
+    hang = Fault("pause", release=release, reached=stalled)
+    storage = FaultyStorage(open_storage(location), at("put", paths.WRITING_LOCK, hang))
+    w = Writer(storage, ds.manifest, ds.sample_ids, lease_ttl_s=TTL)
     w.add("a", *random_sample(10, 2, 32))
     seg_id = w.flush().id
     assert stalled.wait(5)

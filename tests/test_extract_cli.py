@@ -15,7 +15,6 @@ import torch
 
 import hsstore
 from hsstore.demo_model import build_tiny_model
-from hsstore.extract.writer_thread import STALL_ENV
 
 N_ROWS = 24
 WORDS = [
@@ -175,14 +174,45 @@ def test_rerun_redoes_nothing(setup, reference):
     assert [r["event"] for r in added] == ["started", "finished"]
 
 
+# Imported at the start of every process of the stalled run (the CLI and its spawned workers):
+# a writer that has committed once hangs after its next sample.
+STALL_AFTER_FIRST_COMMIT = """
+import threading
+
+from hsstore.writer import Writer
+
+_commits = [0]
+_commit, _add = Writer.commit, Writer.add
+
+
+def _counted_commit(self, *args, **kwargs):
+    published = _commit(self, *args, **kwargs)
+    _commits[0] += 1
+    return published
+
+
+def _add_then_hang(self, *args, **kwargs):
+    _add(self, *args, **kwargs)
+    if _commits[0]:
+        threading.Event().wait()
+
+
+Writer.commit, Writer.add = _counted_commit, _add_then_hang
+"""
+
+
 def test_kill_9_then_restart_equals_uninterrupted_run(setup, reference):
     root, model, data = setup
     ref_out, _ = reference
     out = root / "crashed"
     # Each worker stalls (forever) after its first commit plus one uncommitted sample, so the
-    # kill lands mid-run with committed and uncommitted work on disk.
-    # A short lease ttl, so the killed workers' segments can be judged dead soon after.
-    proc = cli(*extract_args(model, data, out), env={STALL_ENV: "1", "HSSTORE_LEASE_TTL": "1"},
+    # kill lands mid-run with committed and uncommitted work on disk. A short lease ttl, so the
+    # killed workers' segments can be judged dead soon after.
+    hook = root / "stall-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(STALL_AFTER_FIRST_COMMIT)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    proc = cli(*extract_args(model, data, out), env={"PYTHONPATH": path, "HSSTORE_LEASE_TTL": "1"},
                start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 180
     committed = 0

@@ -5,15 +5,10 @@ thread compresses, writes and periodically commits them. The queue is bounded so
 applies back-pressure instead of letting states pile up in memory, and the time the model
 thread spends blocked on a full queue is measured: it is exactly the time the writer was the
 bottleneck.
-
-Test hook: with ``HSSTORE_EXTRACT_STALL_AFTER_COMMITS=k`` in the environment the thread stops
-(forever) once it has made k commits and added one more sample, so a test can kill -9 the
-process at a point where committed and uncommitted work both exist.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -25,7 +20,6 @@ import torch
 from hsstore.dataset import Dataset
 from hsstore.extract.chat_tokens import TokenizedPrompt
 
-STALL_ENV = "HSSTORE_EXTRACT_STALL_AFTER_COMMITS"
 _DONE = object()
 
 
@@ -62,8 +56,6 @@ class WriterThread:
         self.stats = WriterStats()
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
-        stall = os.environ.get(STALL_ENV)
-        self._stall_after = int(stall) if stall else None
         self._thread = threading.Thread(target=self._run, name="hsstore-writer", daemon=True)
 
     def start(self) -> WriterThread:
@@ -114,7 +106,6 @@ class WriterThread:
                         )
                         self._count(prompt, hidden)
                         pending += 1
-                        self._maybe_stall(pending)
                     if pending >= self.commit_every or (
                         time.monotonic() - last_commit >= self.commit_seconds
                     ):
@@ -140,10 +131,6 @@ class WriterThread:
         self.stats.raw_bytes += nbytes
         if self.on_written is not None:
             self.on_written(1, n, nbytes)
-
-    def _maybe_stall(self, pending: int) -> None:
-        if self._stall_after is not None and self.stats.commits >= self._stall_after and pending:
-            threading.Event().wait()  # test hook: hang here until killed
 
     def _drain(self) -> None:
         """Unblock a producer stuck on a full queue after an error."""

@@ -18,7 +18,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from hsstore.errors import ConflictError, HsstoreError
@@ -94,8 +93,6 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Test hook: called before each heartbeat round (lets a test stall the heartbeat).
-        self.before_heartbeat: Callable[[], None] | None = None
 
     def acquire(self, segment_id: str) -> Lease:
         lease = Lease(self.storage, segment_id, self.owner, self.ttl_s)
@@ -145,8 +142,6 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
-            if self.before_heartbeat is not None:
-                self.before_heartbeat()
             # Under the lock: a lease dropped (committed, aborted) is never written again.
             with self._lock:
                 for lease in list(self._leases.values()):
