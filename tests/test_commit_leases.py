@@ -99,10 +99,10 @@ def test_a_writer_whose_lease_lapsed_never_publishes(location):
     time.sleep(_lapse_wait(location))
     report = hsstore.gc(location, grace_s=0)
     assert report.removed_segments == [seg_id]
+    release.set()  # the heartbeat's put lands, too late (it holds the leases' lock meanwhile)
     with pytest.raises(SegmentRemovedError, match="condemned.*lease lapsed") as caught:
         w.commit()
     assert caught.value.sample_ids == ("a",) and caught.value.published is None
-    release.set()
     w.close()
     assert len(hsstore.open(location)) == 0 and hsstore.verify(location).ok
 

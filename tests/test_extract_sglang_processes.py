@@ -104,7 +104,10 @@ def test_an_interrupt_reaches_the_workers_in_their_own_groups(tmp_path):
     prompts.write_text('{"text": "The quick brown fox."}\n')
     flag = tmp_path / "engine.flag"
     args = [str(model), str(prompts), str(tmp_path / "ds"), str(flag)]
+    # Ctrl-C's disposition as in a terminal's foreground: a suite started in the background
+    # (`make test &`) has SIGINT ignored, and its children would inherit that.
     code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
         f"import test_extract_sglang_processes as t; t.run_until_interrupted(*{args!r})"
     )
