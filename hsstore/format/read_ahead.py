@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import functools
 import os
 import platform
 import sys
@@ -43,31 +42,34 @@ class _CacheStat(ctypes.Structure):
 _CACHESTAT = 451  # the syscall's number (Linux 6.5+) on every architecture but alpha
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
+def _cachestat_syscall() -> Callable[..., int] | None:
+    """libc's ``syscall``, through which `cachestat` is called; None off Linux."""
+    if sys.platform != "linux" or platform.machine() == "alpha":
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-        return libc
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
+    syscall.restype = ctypes.c_long
+    return syscall
 
 
-_cachestat_works = sys.platform == "linux" and platform.machine() != "alpha"
+# None once the kernel has refused `cachestat` (older than 6.5, or a seccomp filter).
+_syscall = _cachestat_syscall()
 
 
 def cachestat_pages(fd: int, offset: int) -> int | None:
     """Pages of the file's page cache at ``offset`` (0 or 1) by `cachestat`, which looks without
     reading; None where the kernel lacks it (then never asked again)."""
-    global _cachestat_works
-    libc = _libc() if _cachestat_works else None
-    if libc is None:
+    global _syscall
+    syscall = _syscall
+    if syscall is None:
         return None
     span, stat = _Range(offset, 1), _CacheStat()
-    if libc.syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0:
+    if syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0:
         return stat.nr_cache
-    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a seccomp filter
-        _cachestat_works = False
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+        _syscall = None
     return None
 
 
