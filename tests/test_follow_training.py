@@ -95,8 +95,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(url: str, out: Path, log: Path, ranks: int, *extra: str) -> subprocess.Popen[str]:
-    """The trainer following ``url``: under torchrun for several ranks, plain for one."""
+# The killed run holds at its second checkpoint, before writing it: its log then has steps
+# past the first checkpoint however fast the steps go, and however little data there is.
+HOLD_AT_SECOND_CHECKPOINT = """
+import threading
+
+import hsstore.trainers.eagle3.train as train
+
+_saved = [0]
+_save = train.save_checkpoint
+
+
+def _save_then_hold(*args, **kwargs):
+    if _saved[0]:
+        threading.Event().wait()
+    _save(*args, **kwargs)
+    _saved[0] += 1
+
+
+train.save_checkpoint = _save_then_hold
+"""
+
+
+def _train(
+    url: str, out: Path, log: Path, ranks: int, *extra: str, hook: Path | None = None
+) -> subprocess.Popen[str]:
+    """The trainer following ``url``: under torchrun for several ranks, plain for one; with the
+    folder ``hook`` on its PYTHONPATH (a sitecustomize module) if given."""
     launch = [sys.executable]
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -106,7 +131,10 @@ def _train(url: str, out: Path, log: Path, ranks: int, *extra: str) -> subproces
            "--ttt-steps", "1", "--num-threads", "1", "--log-every", "1000", "--device", "cpu",
            "--follow", "--follow-window", str(WINDOW), "--follow-timeout", "120",
            "--samples-log", str(log), *extra]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    env = _env()
+    if hook is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
 
@@ -144,7 +172,8 @@ def _lines(log: Path) -> int:
 
 def _kill_after_checkpoint(proc: subprocess.Popen[str], run: Path, log: Path) -> str:
     """SIGKILL the trainer and every rank once rank 0 has trained a step past its last
-    checkpoint (frozen with SIGSTOP to look, so the kill lands where it was seen); its output."""
+    checkpoint (frozen with SIGSTOP to look, so the kill lands where it was seen; a run
+    holding at its second checkpoint is always seen so); its output."""
     deadline = time.monotonic() + 240
     while True:
         assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
@@ -195,8 +224,11 @@ def test_trainer_follows_two_extractions_killed_and_resumed_on_1_and_3_ranks(
     data.write_text(_rows(N_PROMPTS))
     first = _extract(tiny, data, s3_url, "0/2")
     run = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_AT_SECOND_CHECKPOINT)
     # Started with the extraction: the trainer waits for the dataset to exist, then follows.
-    killed = _train(s3_url, run, tmp_path / "a", 2, "--save-every", "2")
+    killed = _train(s3_url, run, tmp_path / "a", 2, "--save-every", "2", hook=hook)
     # Shard 1 starts only after the kill: the extraction cannot be complete before it.
     assert "extraction running" in _kill_after_checkpoint(killed, run, tmp_path / "a")
     second = _extract(tiny, data, s3_url, "1/2")
