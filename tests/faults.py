@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hsstore.errors import StorageError
@@ -251,6 +252,19 @@ def faketime_env(seconds: float, env: dict[str, str] | None = None) -> dict[str,
     out = dict(os.environ if env is None else env)
     out["LD_PRELOAD"] = lib + (":" + out["LD_PRELOAD"] if out.get("LD_PRELOAD") else "")
     out["FAKETIME"] = f"{seconds:+g}s"
+    return out
+
+
+def sitecustomize_env(
+    folder: Path, source: str, env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a child Python whose start-up runs ``source`` (written to
+    ``folder``/sitecustomize.py, ``folder`` put first on its PYTHONPATH): how a test stalls a
+    real CLI or trainer process at a chosen point without a seam in the code it runs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(source)
+    out = dict(os.environ if env is None else env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), out.get("PYTHONPATH")) if p)
     return out
 
 

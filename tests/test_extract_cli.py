@@ -15,6 +15,7 @@ import torch
 
 import hsstore
 from hsstore.demo_model import build_tiny_model
+from tests.faults import sitecustomize_env
 
 N_ROWS = 24
 WORDS = [
@@ -208,11 +209,8 @@ def test_kill_9_then_restart_equals_uninterrupted_run(setup, reference):
     # Each worker stalls (forever) after its first commit plus one uncommitted sample, so the
     # kill lands mid-run with committed and uncommitted work on disk. A short lease ttl, so the
     # killed workers' segments can be judged dead soon after.
-    hook = root / "stall-hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(STALL_AFTER_FIRST_COMMIT)
-    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
-    proc = cli(*extract_args(model, data, out), env={"PYTHONPATH": path, "HSSTORE_LEASE_TTL": "1"},
+    env = sitecustomize_env(root / "stall-hook", STALL_AFTER_FIRST_COMMIT)
+    proc = cli(*extract_args(model, data, out), env={**env, "HSSTORE_LEASE_TTL": "1"},
                start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 180
     committed = 0

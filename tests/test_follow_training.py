@@ -26,6 +26,7 @@ from hsstore.demo_model import build_tiny_model
 from hsstore.format.runs import completion
 from hsstore.loader import Loader
 from hsstore.trainers.eagle3.checkpoint import find_checkpoint, load_trainer_state
+from tests.faults import sitecustomize_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"
@@ -118,10 +119,9 @@ train.save_checkpoint = _save_then_hold
 
 
 def _train(
-    url: str, out: Path, log: Path, ranks: int, *extra: str, hook: Path | None = None
+    url: str, out: Path, log: Path, ranks: int, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    """The trainer following ``url``: under torchrun for several ranks, plain for one; with the
-    folder ``hook`` on its PYTHONPATH (a sitecustomize module) if given."""
+    """The trainer following ``url``: under torchrun for several ranks, plain for one."""
     launch = [sys.executable]
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
@@ -131,10 +131,7 @@ def _train(
            "--ttt-steps", "1", "--num-threads", "1", "--log-every", "1000", "--device", "cpu",
            "--follow", "--follow-window", str(WINDOW), "--follow-timeout", "120",
            "--samples-log", str(log), *extra]  # fmt: skip
-    env = _env()
-    if hook is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
 
@@ -224,11 +221,9 @@ def test_trainer_follows_two_extractions_killed_and_resumed_on_1_and_3_ranks(
     data.write_text(_rows(N_PROMPTS))
     first = _extract(tiny, data, s3_url, "0/2")
     run = tmp_path / "run"
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOLD_AT_SECOND_CHECKPOINT)
+    hold = sitecustomize_env(tmp_path / "hook", HOLD_AT_SECOND_CHECKPOINT, _env())
     # Started with the extraction: the trainer waits for the dataset to exist, then follows.
-    killed = _train(s3_url, run, tmp_path / "a", 2, "--save-every", "2", hook=hook)
+    killed = _train(s3_url, run, tmp_path / "a", 2, "--save-every", "2", env=hold)
     # Shard 1 starts only after the kill: the extraction cannot be complete before it.
     assert "extraction running" in _kill_after_checkpoint(killed, run, tmp_path / "a")
     second = _extract(tiny, data, s3_url, "1/2")
