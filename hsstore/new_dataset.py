@@ -96,7 +96,7 @@ def create(
         num_layers=len(specs),
         hidden_size=hidden_size,
         itemsize=DTYPES[name][1].itemsize,
-        layers_per_chunk=layers_per_chunk,
+        layers_per_chunk=tiers.layers_per_chunk(tier_record, layers_per_chunk),
         chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes,
         sample_aligned=codec_cfg.compressed if sample_aligned is None else sample_aligned,

@@ -23,6 +23,7 @@ from hsstore.errors import (
 )
 from hsstore.format import commit, history, paths, tiers
 from hsstore.format.dtypes import storage_view
+from hsstore.format.layers import verifier_position
 from hsstore.format.lease import DEFAULT_TTL_S, LeaseKeeper
 from hsstore.format.manifest import Delta, Manifest, SegmentInfo
 from hsstore.format.store import Storage
@@ -56,6 +57,7 @@ class Writer:
         self.storage = storage
         self.manifest = manifest
         self.segment_bytes = segment_bytes
+        self._final_position = verifier_position(manifest.layers)  # where a tier may round apart
         self._flusher = ShardFlusher(
             (
                 self.manifest.layout.rows_per_shard,
@@ -130,7 +132,12 @@ class Writer:
                 "sample id is already in the dataset", path=self.storage.root, sample_id=sample_id
             )
         hidden, scales = tiers.prepare(
-            self.manifest.tier, hidden, scales, where=source or where, sample_id=sample_id
+            self.manifest.tier,
+            hidden,
+            scales,
+            final_position=self._final_position,
+            where=source or where,
+            sample_id=sample_id,
         )
         hid, ids, mask = check_sample(
             self.manifest, where, sample_id, input_ids, loss_mask, hidden, source

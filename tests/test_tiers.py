@@ -27,7 +27,8 @@ from tools.synthetic import llm_like_states
 
 H = 32
 LAYERS = [LayerSpec(1), LayerSpec(2), LayerSpec(3), LayerSpec(4)]
-LOSSY = ("fp8-token", "fp8-token-layer", "bf16-m0", "bf16-m2", "bf16-m3", "bf16-m6")
+LOSSY = ("fp8-token", "fp8-token-layer", "bf16-m0", "bf16-m2", "bf16-m3", "bf16-m6",
+         "bf16-m2-final-m3", "bf16-m1-final-m5")  # fmt: skip
 
 
 def data(n: int = 5):
@@ -54,7 +55,7 @@ def write(path: Path, samples, tier: str | None = None) -> hsstore.Dataset:
 def assert_within_bound(tier: tiers.Tier, given: torch.Tensor, stored, scales) -> None:
     got = tiers.dequantize(stored, scales).float()  # what a trainer reads (bf16)
     err = (got - given.float()).abs()
-    bound = tier.bound(given, scales)
+    bound = tier.bound(given, scales, final_position=given.shape[1] - 1)
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
@@ -74,7 +75,7 @@ def test_bound_holds_on_random_values(name, dtype):
         given = wide_values(seed).to(dtype)
         if dtype == torch.float16:
             given = given.clamp(-6e4, 6e4)
-        stored, scales = tiers.quantize(tier, given)
+        stored, scales = tiers.quantize(tier, given, final_position=2)
         assert (
             stored.dtype
             == {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}[tier.dtype]
@@ -82,8 +83,8 @@ def test_bound_holds_on_random_values(name, dtype):
         assert_within_bound(tier, given, stored, scales)
         # the bound is not slack: some value comes close to it
         got = tiers.dequantize(stored, scales).float()
-        use = ((got - given.float()).abs() / tier.bound(given, scales)).max()
-        assert float(use) > 0.5
+        use = (got - given.float()).abs() / tier.bound(given, scales, final_position=2)
+        assert all(float(use[:, j].max()) > 0.5 for j in range(3))
 
 
 def test_bound_holds_on_real_minilm_states():
@@ -93,7 +94,7 @@ def test_bound_holds_on_real_minilm_states():
     for name in LOSSY:
         tier = tiers.parse(name)
         for _ids, states in real:
-            stored, scales = tiers.quantize(tier, states)
+            stored, scales = tiers.quantize(tier, states, final_position=states.shape[1] - 1)
             assert_within_bound(tier, states, stored, scales)
 
 
@@ -112,6 +113,83 @@ def test_bf16_tiers_drop_exactly_the_low_mantissa_bits():
     y, _ = tiers.quantize(tiers.parse("bf16-m2"), x.view(1, 1, -1))
     assert y.flatten()[:2].tolist() == [1.0, 1.5] and y.flatten()[4] == -1.0
     assert torch.isinf(y.flatten()[2]) and torch.isnan(y.flatten()[3])
+
+
+def test_final_tier_keeps_more_of_the_verifier_state_in_chunks_of_its_own(tmp_path):
+    # the verifier's state (the normed final one) is not the last listed: the rule finds it
+    layers = [LayerSpec(1), LayerSpec(4, final_norm=True), LayerSpec(2), LayerSpec(4)]
+    hidden_size, samples = 1024, []
+    for k in range(4):
+        g = torch.Generator().manual_seed(k)
+        ids = torch.randint(0, 1000, (100,), generator=g)
+        samples.append(
+            (ids, torch.ones(100, dtype=torch.long), llm_like_states(100, 4, hidden_size, seed=k))
+        )
+
+    def write_in(name: str, tier: str, **layout) -> hsstore.Dataset:
+        ds = hsstore.create(tmp_path / name, layers=layers, hidden_size=hidden_size,
+                            dtype="bf16", model={"num_hidden_layers": 4}, tier=tier, **layout)  # fmt: skip
+        with ds.writer() as w:
+            for k, (ids, mask, hidden) in enumerate(samples):
+                w.add(f"s{k}", ids, mask, hidden)
+        return hsstore.open(tmp_path / name)
+
+    ds = write_in("mixed", "bf16-m2-final-m3")
+    assert ds.manifest.layout.layers_per_chunk == 1
+    assert ds.manifest.tier.final_state == tiers.Rounding(3, 2.0**-4, 2.0**-130)
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        stored = ds[k].hidden
+        for j in range(4):
+            bits_kept = 3 if j == 1 else 2
+            want = tiers.round_mantissa(hidden[:, j], bits_kept)
+            assert bits(stored[:, j]) == bits(want), j
+    low = ds[0].hidden[:, 1].view(torch.int16).int() & (1 << 4)  # the third bit, kept
+    assert int(low.count_nonzero()) > 0
+
+    # each layer's own chunks are what makes the verifier's extra bit cheap: the same states
+    # with all layers in one chunk store more bytes
+    shared = write_in("shared", "bf16-m2-final-m3", layers_per_chunk=4)
+    assert shared.manifest.layout.layers_per_chunk == 4
+    assert bits(shared[0].hidden) == bits(ds[0].hidden)
+
+    def stored_bytes(name: str) -> int:
+        shards = (tmp_path / name).glob("segments/*/states/c/**/*")
+        return sum(f.stat().st_size for f in shards if f.is_file())
+
+    assert stored_bytes("mixed") < 0.96 * stored_bytes("shared")
+
+    # the loader and inspect: bf16 values as stored, and a bound per layer that holds
+    batch = next(iter(Loader(tmp_path / "mixed", max_tokens=100, shuffle=False)))
+    # (the loader puts the verifier's state last)
+    assert bits(batch["per_layer_hidden_states"][0]) == bits(ds[0].hidden[:, [0, 2, 3, 1]])
+    write_in("ref", "lossless", layers_per_chunk=4)
+    r = CliRunner().invoke(
+        main, ["inspect", str(tmp_path / "mixed"), "--reference", str(tmp_path / "ref"), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)["lossy"]
+    assert report["tier"]["final_state"]["mantissa_bits"] == 3
+    assert [x["bound"]["max_relative_error"] for x in report["layers"]] == [
+        2**-3,
+        2**-4,
+        2**-3,
+        2**-3,
+    ]
+    assert all(x["measured"]["bound_holds"] for x in report["layers"])
+    text = CliRunner().invoke(main, ["inspect", str(tmp_path / "mixed")]).output
+    assert "the verifier's state keeps 3 mantissa bits" in text
+
+    # the recorded final-state bound must be the name's, and the name must keep more there
+    obj = ds.manifest.to_json()
+    obj["tier"]["final_state"]["max_relative_error"] = 2.0**-6
+    with pytest.raises(FormatError, match="is not what tier 'bf16-m2-final-m3' records"):
+        Manifest.from_json(obj, where="test")
+    with pytest.raises(BadInputError, match="keeps no more bits of the final state"):
+        hsstore.create(tmp_path / "bad", layers=layers, hidden_size=hidden_size, dtype="bf16",
+                       tier="bf16-m3-final-m3")  # fmt: skip
+    # seven bits of a bf16 final state is all of it
+    exact = write_in("m7", "bf16-m0-final-m7")
+    assert bits(exact[0].hidden[:, 1]) == bits(samples[0][2][:, 1])
 
 
 def test_fp8_token_is_hs_connectors_quantizer_bit_for_bit(tmp_path):
@@ -364,6 +442,15 @@ def test_reencode_between_tiers(tmp_path):
     r = runner.invoke(main, ["convert", str(tmp_path / "fp8"), str(tmp_path / "m3"),
                              "--tier", "bf16-m2", "--no-progress"])  # fmt: skip
     assert r.exit_code == 2 and "tier bf16-m3 (asked for bf16-m2)" in r.output
+
+    # a lossless dataset into the tier that keeps a bit more of the verifier's state
+    write(tmp_path / "plain", samples)
+    convert("plain", "m2f3", "--tier", "bf16-m2-final-m3")
+    m2f3 = hsstore.open(tmp_path / "m2f3")
+    assert m2f3.manifest.layout.layers_per_chunk == 1
+    for k, (_ids, _mask, hidden) in enumerate(samples):
+        want, _ = tiers.quantize(m2f3.manifest.tier, hidden, final_position=len(LAYERS) - 1)
+        assert bits(m2f3[k].hidden) == bits(want)
 
 
 def test_fp8_tiers_refuse_non_finite_states(tmp_path):

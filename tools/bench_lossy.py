@@ -1,6 +1,6 @@
 """What each lossy tier saves and what it costs the drafter, measured in one run.
 
-    python tools/bench_lossy.py            # about 5 minutes on 2 cores
+    python tools/bench_lossy.py            # about 6 minutes on 2 cores
     python tools/bench_lossy.py --quick    # smaller data, fewer training steps and seeds
 
 Three sets of bf16 states, each written once per tier (`hsstore.format.tiers`) through the
@@ -61,7 +61,8 @@ from hsstore.audit.lossy import lossy_report  # noqa: E402
 from hsstore.format.layers import LayerSpec  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 
-TIERS = ("lossless", "fp8-token", "fp8-token-layer", "bf16-m3", "bf16-m2", "bf16-m1")
+TIERS = ("lossless", "fp8-token", "fp8-token-layer", "bf16-m3", "bf16-m2", "bf16-m1",
+         "bf16-m2-final-m3", "bf16-m1-final-m3")  # fmt: skip
 ACTIVATION_SETS = ("synthetic", "minilm")  # the sets whose ratio stands for real models'
 ACCURACY_FLOOR = 0.99  # of lossless, for a tier to count as best
 TARGET_LAYERS, TARGET_HIDDEN, TARGET_VOCAB = 4, 64, 512
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller data, fewer steps and seeds")
     p.add_argument("--steps", type=int, default=None, help="trainer steps per run (default 100)")
-    p.add_argument("--seeds", type=int, default=None, help="training seeds per tier (default 4)")
+    p.add_argument("--seeds", type=int, default=None, help="training seeds per tier (default 8)")
     p.add_argument("--seed", type=int, default=0, help="the first training seed; data's seed")
     p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tier names")
     args = p.parse_args(argv)
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     if tiers[0] != "lossless":
         tiers = ["lossless", *[t for t in tiers if t != "lossless"]]
     steps = args.steps or (40 if args.quick else 100)
-    seeds = [args.seed + k for k in range(args.seeds or (2 if args.quick else 4))]
+    seeds = [args.seed + k for k in range(args.seeds or (2 if args.quick else 8))]
     root = Path(tempfile.mkdtemp(prefix="bench_lossy_"))
     try:
         sets = {

@@ -27,12 +27,16 @@ from hsstore.audit.run import AuditOptions
 from hsstore.audit.run import _final_layers as final_layers
 from hsstore.dataset import Dataset
 from hsstore.errors import BadInputError
+from hsstore.format.layers import verifier_position
 from hsstore.format.tiers import Tier, name_of
 
 
-def _bound_of(tier: Tier | None) -> tuple[float, float]:
-    """(r, a) of a tier; a lossless dataset is bound to no error at all."""
-    return (0.0, 0.0) if tier is None else (tier.max_relative_error, tier.absolute_error)
+def _bound_of(tier: Tier | None, position: int, final_position: int) -> tuple[float, float]:
+    """(r, a) of the layer at ``position``; a lossless dataset is bound to no error at all."""
+    if tier is None:
+        return 0.0, 0.0
+    rounding = tier.rounding(position, final_position)
+    return rounding.max_relative_error, rounding.absolute_error
 
 
 def _check_same_states(ds: Dataset, ref: Dataset) -> None:
@@ -90,7 +94,8 @@ def lossy_report(
     """The ``lossy`` part of ``inspect --json``: the tier, and per layer its bound and (with
     a ``reference``) the measured error; ``sample_tokens`` None reads every sample."""
     tier = ds.manifest.tier
-    r, a = _bound_of(tier)
+    final_position = verifier_position(ds.layers)
+    bounds = [_bound_of(tier, i, final_position) for i in range(len(ds.layers))]
     layers = [
         {
             "index": i,
@@ -98,7 +103,7 @@ def lossy_report(
             "bound": {"max_relative_error": r, "absolute_error": a},
             "measured": None,
         }
-        for i, spec in enumerate(ds.layers)
+        for i, (spec, (r, a)) in enumerate(zip(ds.layers, bounds, strict=True))
     ]
     report: dict[str, Any] = {
         "tier": None if tier is None else tier.to_json(),
@@ -124,9 +129,11 @@ def lossy_report(
             continue
         want = reference.get(s.sample_id).dequantized(torch.float32).float()
         got = s.dequantized().float()  # what a trainer reads: bf16
-        bound = torch.zeros_like(want) if tier is None else tier.bound(want, s.scales)
+        bound = (
+            torch.zeros_like(want) if tier is None else tier.bound(want, s.scales, final_position)
+        )
         for j, err in enumerate(errors):
-            err.add(got[:, j], want[:, j], bound[:, j], r)
+            err.add(got[:, j], want[:, j], bound[:, j], bounds[j][0])
         if head is not None and final and total < lm_tokens:
             j = final[-1]
             n = min(lm_tokens - total, got.shape[0])
@@ -183,6 +190,12 @@ def to_text(report: dict[str, Any]) -> list[str]:
             f"  stores {tier['dtype']}, scales {tier['scales']}, bound |err| <= "
             f"{tier['max_relative_error']:.3g} |x| + {tier['absolute_error']:.3g} x scale"
         )
+        final = tier.get("final_state")
+        if final is not None:
+            lines.append(
+                f"  the verifier's state keeps {final['mantissa_bits']} mantissa bits: |err| <= "
+                f"{final['max_relative_error']:.3g} |x| + {final['absolute_error']:.3g}"
+            )
     if ref is None:
         lines.append("  measured error: pass --reference DATASET (the same samples, lossless)")
         return lines

@@ -77,8 +77,8 @@ def _format_options(command: Callable) -> Callable:
 )
 @click.option(
     "--tier",
-    help="Lossy tier of the new dataset: lossless (default), fp8-token, fp8-token-layer or "
-    "bf16-m0..bf16-m6 (docs/CONVERT.md, Lossy tiers). With an hsstore dataset as SRC (and no "
+    help="Lossy tier of the new dataset: lossless (default), fp8-token, fp8-token-layer, "
+    "bf16-m0..bf16-m6 or bf16-mK-final-mJ (docs/CONVERT.md, Lossy tiers). With an hsstore dataset as SRC (and no "
     "--to), re-encodes it into a new dataset at DST.",
 )
 @click.option(

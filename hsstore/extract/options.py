@@ -86,8 +86,8 @@ class ExtractOptions:
         default=None,
         metadata=_cli(
             "--tier",
-            "Lossy tier to store the states in: lossless (default), fp8-token, fp8-token-layer "
-            "or bf16-m0..bf16-m6 (docs/CONVERT.md, Lossy tiers).",
+            "Lossy tier to store the states in: lossless (default), fp8-token, fp8-token-layer, "
+            "bf16-m0..bf16-m6 or bf16-mK-final-mJ (docs/CONVERT.md, Lossy tiers).",
         ),
     )
     commit_every: int = field(

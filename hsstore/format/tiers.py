@@ -18,6 +18,13 @@ values the writer was given):
   scales column), which keeps layers of small magnitude out of the subnormal range.
 - ``bf16-mK`` (K = 0..6): bf16 keeping K of its 7 mantissa bits, rounded to nearest even; the
   dropped bits are zeros, which the entropy coder removes.
+- ``bf16-mK-final-mJ`` (0 <= K < J <= 7): ``bf16-mK`` for every layer but the verifier's state
+  (`hsstore.format.layers.verifier_position`), which keeps J bits. The verifier's state makes
+  the drafter's training targets (the target's head reads it), so its rounding moves every
+  label near a tie, while an aux layer's only blurs an input. Such a dataset stores each layer
+  in chunks of its own by default (``layers_per_chunk`` 1): the entropy coder of a chunk that
+  holds several layers sees their kept bits as one mix, and the verifier's zero bits then save
+  nothing.
 
 Error bound of a stored value x̂ against the value x given: ``|x̂ - x| <= r |x| + a s``, with
 r = ``max_relative_error``, a = ``absolute_error`` and s the value's scale (1 for bf16 tiers).
@@ -32,7 +39,7 @@ the largest K-bit value instead of becoming infinite.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -44,14 +51,36 @@ from hsstore.errors import BadInputError, FormatError, IncompatibleDatasetError
 LOSSLESS = "lossless"
 FP8_TOKEN = "fp8-token"
 FP8_TOKEN_LAYER = "fp8-token-layer"
-_BF16_NAME = re.compile(r"bf16-m([0-6])")
-TIER_NAMES = (LOSSLESS, FP8_TOKEN, FP8_TOKEN_LAYER, *(f"bf16-m{k}" for k in range(7)))
+_BF16_NAME = re.compile(r"bf16-m([0-6])(?:-final-m([1-7]))?")
+TIER_NAMES = (
+    LOSSLESS,
+    FP8_TOKEN,
+    FP8_TOKEN_LAYER,
+    *(f"bf16-m{k}" for k in range(7)),
+    *(f"bf16-m{k}-final-m{j}" for k in range(7) for j in range(k + 1, 8)),
+)
+_NAMES_TOLD = (
+    f"{LOSSLESS}, {FP8_TOKEN}, {FP8_TOKEN_LAYER}, bf16-mK (K = 0..6) "
+    "or bf16-mK-final-mJ (K < J <= 7)"
+)
 SCALES_NONE, SCALES_TOKEN, SCALES_TOKEN_LAYER = "none", "token", "token-layer"
 
 _BF16_ROUNDING = 2.0**-9  # half a bf16 ulp, relative
 _FP32_ROUNDING = 2.0**-24
 _E4M3_MANTISSA_BITS = 3
 _E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # e4m3fn's subnormal step is 2^-9
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Mantissa bits kept and the error bound that follows (r, a)."""
+
+    mantissa_bits: int
+    max_relative_error: float
+    absolute_error: float  # times the value's scale (1 for unscaled tiers)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -64,21 +93,41 @@ class Tier:
     mantissa_bits: int
     max_relative_error: float
     absolute_error: float  # times the value's scale (1 for unscaled tiers)
+    final_state: Rounding | None = None  # the verifier's state's own, where it keeps more
 
     @property
     def scaled(self) -> bool:
         return self.scales != SCALES_NONE
 
-    def bound(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    def rounding(self, position: int, final_position: int | None) -> Rounding:
+        """The rounding of the layer at ``position`` of a dataset whose verifier's state is at
+        ``final_position`` (`hsstore.format.layers.verifier_position`)."""
+        if self.final_state is not None and position == self.final_index(final_position):
+            return self.final_state
+        return Rounding(self.mantissa_bits, self.max_relative_error, self.absolute_error)
+
+    def final_index(self, final_position: int | None) -> int:
+        """``final_position``, which a tier that rounds the verifier's state apart needs."""
+        if final_position is None:
+            raise ValueError(f"tier {self.name} needs the position of the verifier's state")
+        return final_position
+
+    def bound(
+        self, values: torch.Tensor, scales: torch.Tensor | None, final_position: int | None = None
+    ) -> torch.Tensor:
         """The largest error each of ``values`` [T, L, H] may have; ``scales`` as stored
-        ([T] or [T, L]) for a scaled tier."""
-        x = values.float().abs() * self.max_relative_error
+        ([T] or [T, L]) for a scaled tier; ``final_position`` where the verifier's state is
+        (needed by a tier that rounds it apart)."""
+        per_layer = [self.rounding(j, final_position) for j in range(values.shape[1])]
+        r = torch.tensor([x.max_relative_error for x in per_layer]).view(1, -1, 1)
+        a = torch.tensor([x.absolute_error for x in per_layer]).view(1, -1, 1)
+        x = values.float().abs() * r
         if scales is None:
-            return x + self.absolute_error
-        return x + self.absolute_error * _broadcast(scales.float(), values)
+            return x + a
+        return x + a * _broadcast(scales.float(), values)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "dtype": self.dtype,
             "scales": self.scales,
@@ -86,6 +135,9 @@ class Tier:
             "max_relative_error": self.max_relative_error,
             "absolute_error": self.absolute_error,
         }
+        if self.final_state is not None:
+            out["final_state"] = self.final_state.to_json()
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, where: str) -> Tier:
@@ -121,16 +173,20 @@ def parse(name: str | None) -> Tier | None:
         )
     match = _BF16_NAME.fullmatch(name) if isinstance(name, str) else None
     if match is None:
-        raise ValueError(f"unknown tier {name!r}; expected one of {', '.join(TIER_NAMES)}")
+        raise ValueError(f"unknown tier {name!r}; expected one of {_NAMES_TOLD}")
     k = int(match.group(1))
-    return Tier(
-        name=name,
-        dtype="bfloat16",
-        scales=SCALES_NONE,
-        mantissa_bits=k,
-        max_relative_error=2.0 ** -(k + 1),
-        absolute_error=2.0 ** -(k + 127),
-    )
+    final = None if match.group(2) is None else _bf16_rounding(int(match.group(2)))
+    if final is not None and final.mantissa_bits <= k:
+        raise ValueError(
+            f"tier {name!r} keeps no more bits of the final state than of the others; use bf16-m{k}"
+        )
+    return Tier(name, "bfloat16", SCALES_NONE, *astuple(_bf16_rounding(k)), final_state=final)
+
+
+def _bf16_rounding(bits: int) -> Rounding:
+    """Round to nearest even at ``bits`` mantissa bits: half an ulp relative, and bf16's
+    subnormal half-step absolute."""
+    return Rounding(bits, 2.0 ** -(bits + 1), 2.0 ** -(bits + 127))
 
 
 def checked(name: str | None, *, option: str = "--tier") -> Tier | None:
@@ -184,10 +240,17 @@ def round_mantissa(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(finite, rounded, x).to(torch.bfloat16)
 
 
-def quantize(tier: Tier, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(stored states, float32 scales or None) of ``values`` [T, L, H] in ``tier``."""
+def quantize(
+    tier: Tier, values: torch.Tensor, final_position: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored states, float32 scales or None) of ``values`` [T, L, H] in ``tier``;
+    ``final_position`` where the verifier's state is (needed by a tier that rounds it apart)."""
     if not tier.scaled:
-        return round_mantissa(values, tier.mantissa_bits), None
+        rounded = round_mantissa(values, tier.mantissa_bits)
+        if tier.final_state is not None:
+            j = tier.final_index(final_position)
+            rounded[:, j] = round_mantissa(values[:, j], tier.final_state.mantissa_bits)
+        return rounded, None
     if tier.scales == SCALES_TOKEN:
         return fp8.quantize(values)
     t, n_layers = values.shape[0], values.shape[1]
@@ -211,11 +274,13 @@ def prepare(
     hidden: Any,
     scales: Any,
     *,
+    final_position: int,
     where: str,
     sample_id: str,
 ) -> tuple[Any, Any]:
     """What a writer of a ``tier`` dataset stores for a sample given as ``hidden`` (values of
     any float dtype, or fp8 states with ``scales``): the writer's add path calls this first.
+    ``final_position``: where the dataset's verifier's state is.
 
     fp8 states whose scales the tier can hold as they are (per token into ``fp8-token``; per
     token, or per token and layer, into ``fp8-token-layer``) are kept bit for bit; anything
@@ -235,6 +300,8 @@ def prepare(
     ):
         return hidden, scales
     t, n_layers = hidden.shape[0], hidden.shape[1]
+    if final_position >= n_layers:
+        return hidden, scales  # the writer names the wrong layer count
     if hidden.dtype == fp8.FP8_DTYPE:
         if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
             return hidden, scales  # the writer refuses fp8 states without float32 scales
@@ -257,7 +324,16 @@ def prepare(
             path=where,
             sample_id=sample_id,
         )
-    return quantize(tier, values)
+    return quantize(tier, values, final_position)
+
+
+def layers_per_chunk(tier: Tier | None, asked: int | None) -> int | None:
+    """The layers per chunk of a new dataset: what was asked, else one for a tier that rounds
+    the verifier's state apart (its zero bits save only in a stream of their own), else the
+    layout's default (None)."""
+    if asked is None and tier is not None and tier.final_state is not None:
+        return 1
+    return asked
 
 
 def scales_width(tier: Tier | None, num_layers: int) -> int | None:
