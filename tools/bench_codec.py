@@ -6,7 +6,8 @@
 For each data set the states are cut into chunks of the aligned layout (32 rows) and encoded
 with `split-zstd`; then, best of --repeats, GB/s of decoded states on one thread:
 
-  - decode_into: what a reader pays per chunk (frame checks, crc32c, c-blosc decode);
+  - decode_into: what a reader pays per chunk (frame checks, crc32c, the decode: hsstore's
+    own decoder of its split frames, `hsstore.format.codecs._SplitDecoder`);
   - c-blosc: `numcodecs.blosc.decompress` alone (zstd on the exponent stream, a copy of the
     raw mantissa stream, the unshuffle);
   - exponent stream: only the zstd (Huffman) decode of the exponent bytes, counted against all the decoded bytes: the ceiling of any decoder of these

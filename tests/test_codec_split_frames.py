@@ -1,0 +1,92 @@
+"""split-zstd frames of 2-byte values are decoded by hsstore's own stream decoder (a zstd
+context kept per thread); every frame gives exactly what c-blosc gives, from many threads, and
+a damaged stream is an IntegrityError naming the chunk."""
+
+from __future__ import annotations
+
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from hsstore.errors import IntegrityError
+from hsstore.format import codecs
+from hsstore.format.codecs import ChunkCodec, CodecConfig
+from hsstore.format.tiers import round_mantissa
+from tools.synthetic import llm_like_states
+
+
+def chunk_of(kind: str, rows: int, hidden: int) -> np.ndarray:
+    """A [rows, 1, hidden] chunk as int16 bit patterns, whose streams code in different ways."""
+    x = llm_like_states(rows, 1, hidden, seed=rows + hidden)
+    if kind == "m2":  # both streams zstd-coded (the low bytes keep 3 bits)
+        x = round_mantissa(x, 2)
+    elif kind == "noise":  # both streams raw
+        x = torch.randint(-(2**15), 2**15 - 1, (rows, 1, hidden), dtype=torch.int16)
+    elif kind == "padding":  # mostly zero rows, as a sample-aligned chunk's tail
+        x[rows // 4 :] = 0
+    return x.view(torch.int16).numpy()
+
+
+def frame(codec: ChunkCodec, chunk: np.ndarray) -> bytes:
+    return b"".join(bytes(p) for p in codec.encode(chunk))
+
+
+def by_blosc(encoded: bytes, nbytes: int) -> np.ndarray:
+    blosc_only = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    blosc_only._split = None
+    out = np.empty(nbytes, np.uint8)
+    blosc_only.decode_into(memoryview(encoded), out, what="test")
+    return out
+
+
+@pytest.mark.parametrize("kind", ["lossless", "m2", "noise", "padding"])
+@pytest.mark.parametrize("rows, hidden", [(1, 32), (2, 64), (32, 64), (32, 384), (16, 4096)])
+def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
+    codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    chunk = chunk_of(kind, rows, hidden)
+    encoded = frame(codec, chunk)
+    out = np.full(chunk.nbytes, 0xAB, np.uint8)
+    codec.decode_into(memoryview(encoded), out, what="test")
+    assert out.tobytes() == chunk.tobytes() == by_blosc(encoded, chunk.nbytes).tobytes()
+    # which path decoded it: frames too small to split ("blocks not split") go to c-blosc
+    body = memoryview(encoded)[:-4]
+    assert codec._split.decode_into(body, out, what="test") == (chunk.nbytes // 2 >= 128)
+
+
+def test_threads_each_decode_with_their_own_context():
+    codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    chunks = [chunk_of(kind, 32, 384 + 64 * k) for k in range(6) for kind in ("lossless", "m2")]
+    frames = [frame(codec, c) for c in chunks]
+
+    def decode(k: int) -> bool:
+        out = np.empty(chunks[k].nbytes, np.uint8)
+        for _ in range(20):
+            codec.decode_into(memoryview(frames[k]), out, what="test", crc=False)
+            if out.tobytes() != chunks[k].tobytes():
+                return False
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(decode, list(range(len(chunks))) * 4))
+
+
+def test_a_damaged_stream_is_an_integrity_error_naming_the_chunk():
+    codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    chunk = chunk_of("m2", 32, 384)
+    encoded = bytearray(frame(codec, chunk))
+    first = codecs._BLOSC_HEADER.size + 4
+    (low_len,) = struct.unpack_from("<i", encoded, first)
+    high_at = first + 4 + low_len + 4
+    out = np.empty(chunk.nbytes, np.uint8)
+    for damage in ("stream bytes", "stream length"):
+        bad = bytearray(encoded)
+        if damage == "stream bytes":
+            bad[high_at : high_at + 8] = b"\xff" * 8  # the zstd frame's magic and header
+        else:
+            struct.pack_into("<i", bad, first, low_len - 3)  # the streams no longer tile the frame
+        with pytest.raises(IntegrityError, match="does not decode") as info:
+            codec.decode_into(memoryview(bytes(bad)), out, what="shard 0 chunk (0, 0)", crc=False)
+        assert "shard 0 chunk (0, 0)" in str(info.value) and "\n" not in str(info.value)
