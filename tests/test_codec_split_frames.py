@@ -43,7 +43,9 @@ def by_blosc(encoded: bytes, nbytes: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", ["lossless", "m2", "noise", "padding"])
-@pytest.mark.parametrize("rows, hidden", [(1, 32), (2, 64), (32, 64), (32, 384), (16, 4096)])
+@pytest.mark.parametrize(
+    "rows, hidden", [(1, 32), (2, 64), (32, 64), (32, 384), (16, 4096), (64, 4096)]
+)
 def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
     codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
     chunk = chunk_of(kind, rows, hidden)
@@ -51,9 +53,11 @@ def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
     out = np.full(chunk.nbytes, 0xAB, np.uint8)
     codec.decode_into(memoryview(encoded), out, what="test")
     assert out.tobytes() == chunk.tobytes() == by_blosc(encoded, chunk.nbytes).tobytes()
-    # which path decoded it: frames too small to split ("blocks not split") go to c-blosc
+    # which path decoded it: frames too small to split ("blocks not split") and large ones go
+    # to c-blosc
     body = memoryview(encoded)[:-4]
-    assert codec._split.decode_into(body, out, what="test") == (chunk.nbytes // 2 >= 128)
+    own = 256 <= chunk.nbytes <= codecs._OWN_DECODE_MAX_BYTES
+    assert codec._split.decode_into(body, out, what="test") == own
 
 
 def test_threads_each_decode_with_their_own_context():
