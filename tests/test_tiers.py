@@ -18,7 +18,7 @@ import hsstore
 from hsstore.cli import main
 from hsstore.errors import BadInputError, FormatError, IncompatibleDatasetError
 from hsstore.format import tiers
-from hsstore.format.layers import LayerSpec
+from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.format.manifest import Manifest
 from hsstore.loader import Loader
 from tests.peer_packages import peer
@@ -503,7 +503,11 @@ def test_extract_writes_its_tier(tmp_path):
                 *tier]  # fmt: skip
         return CliRunner().invoke(main, args)
 
-    for out, tier in (("plain", ()), ("fp8", ("--tier", "fp8-token"))):
+    for out, tier in (
+        ("plain", ()),
+        ("fp8", ("--tier", "fp8-token")),
+        ("m2f3", ("--tier", "bf16-m2-final-m3")),
+    ):
         r = extract(out, *tier)
         assert r.exit_code == 0, r.output
     plain, fp8 = hsstore.open(tmp_path / "plain"), hsstore.open(tmp_path / "fp8")
@@ -512,5 +516,15 @@ def test_extract_writes_its_tier(tmp_path):
     for k in range(len(plain)):
         q, scale = fp8_utils.quantize_tensor_to_fp8(plain[k].hidden)
         assert bits(fp8[k].hidden) == bits(q) and bits(fp8[k].scales) == bits(scale.reshape(-1))
+    # the final-state tier: each layer in chunks of its own, the verifier's state kept at 3 bits
+    m2f3 = hsstore.open(tmp_path / "m2f3")
+    assert m2f3.manifest.layout.layers_per_chunk == 1 and m2f3.sample_ids == plain.sample_ids
+    final = verifier_position(plain.layers)
+    for k in range(len(plain)):
+        want, _ = tiers.quantize(m2f3.manifest.tier, plain[k].hidden, final_position=final)
+        assert bits(m2f3[k].hidden) == bits(want)
+        assert bits(m2f3[k].hidden[:, final]) != bits(
+            tiers.round_mantissa(plain[k].hidden[:, final], 2)
+        )
     r = extract("fp8", "--tier", "bf16-m3")  # a rerun into it must keep its tier
     assert r.exit_code == 2 and "tier fp8-token (asked for bf16-m3)" in r.output, r.output
