@@ -94,3 +94,30 @@ def test_a_damaged_stream_is_an_integrity_error_naming_the_chunk():
         with pytest.raises(IntegrityError, match="does not decode") as info:
             codec.decode_into(memoryview(bytes(bad)), out, what="shard 0 chunk (0, 0)", crc=False)
         assert "shard 0 chunk (0, 0)" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_process_that_decoded_exits_without_a_word():
+    """Thread contexts are freed when their threads end, and left to the process's end at
+    shutdown, with nothing printed (a context's finalizer runs after module globals are gone)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, numpy as np, torch\n"
+        "from hsstore.format.codecs import ChunkCodec, CodecConfig\n"
+        "c = ChunkCodec(CodecConfig(name='split-zstd'), 2)\n"
+        "x = torch.randn(32, 1, 384).to(torch.bfloat16).view(torch.int16).numpy()\n"
+        "f = memoryview(b''.join(bytes(p) for p in c.encode(x)))\n"
+        "out = np.empty(x.nbytes, np.uint8)\n"
+        "def decode():\n"
+        "    c.decode_into(f, out, what='t')\n"
+        "    assert out.tobytes() == x.tobytes()\n"
+        "t = threading.Thread(target=decode); t.start(); t.join()\n"
+        "d = threading.Thread(target=decode, daemon=True); d.start()\n"
+        "decode()\n"
+        # as when a late finalizer runs at shutdown, after the module's globals are gone
+        "import hsstore.format.codecs as m\n"
+        "k = m._ZstdContext(); m._zstd_free_dctx = None; del k\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done.stderr

@@ -415,17 +415,21 @@ class _SplitDecoder:
 
 
 class _ZstdContext:
-    """A zstd decoding context, freed with its owner (a thread's state, when the thread ends)."""
+    """A zstd decoding context, freed with its owner (a thread's state, when the thread ends).
+
+    Not freed while the interpreter shuts down: a daemon thread may still be decoding with it
+    then, and the process's end frees it anyway. The free function is bound when the class is
+    made, since module globals may already be gone when a late ``__del__`` runs."""
 
     def __init__(self) -> None:
         self.pointer = _zstd_create_dctx()
         if not self.pointer:
             raise MemoryError("zstd could not make a decoding context")
 
-    def __del__(self) -> None:
-        if self.pointer:
-            _zstd_free_dctx(self.pointer)
-            self.pointer = None
+    def __del__(self, _free=_zstd_free_dctx, _finalizing=sys.is_finalizing) -> None:
+        if self.pointer and not _finalizing():
+            _free(self.pointer)
+        self.pointer = None
 
 
 def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bool:
