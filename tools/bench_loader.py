@@ -23,6 +23,12 @@ DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batch
   the whole sample instead) one after another into a batch-sized buffer. Reading the page
   cache and writing batches far larger than the caches are what every reader pays on top of
   the codec alone: this is the bound of a loader, which is measured against it too;
+* codec-held: the codec alone again, its chunks held in memory as for ``codec`` but decoded
+  without crc into a batch-sized buffer as for codec-files: the rate no loader on one decode
+  thread passes, whatever it does about reads and checks (``held_vs_codec``);
+* codec-checked: codec-files with ``preadv``, plus XXH3 over every decoded chunk as the
+  whole-sample checksum takes it: the bound of a loader on one decode thread that reads the
+  files as hsstore does and verifies what it delivers (``checked_vs_codec``);
 * cold: the ceiling and the loaders again after evicting the files from the page cache with
   ``posix_fadvise(DONTNEED)`` (only our files; other processes' caches are left alone).
 
@@ -31,11 +37,13 @@ best of ``--repeat`` further epochs, cold ones a single epoch after the eviction
 hidden-state bytes delivered (tokens x layers x hidden x itemsize). The last line is::
 
     loader_vs_ceiling=.. loader_vs_v1=.. compressed_gb_s_per_core=.. codec_gb_s=..
-    loader_vs_codec=.. codec_files_vs_codec=.. peak_rss_mb=..
+    loader_vs_codec=.. codec_files_vs_codec=.. held_vs_codec=.. checked_vs_codec=..
+    peak_rss_mb=..
 
 (loader = uncompressed, all cores, warm; ceiling with as many threads; codec_gb_s = the codec's
 own single-core decode rate, loader_vs_codec = the compressed loader on one decode thread
 against it, codec_files_vs_codec = the codec reading the files (the better of its two ways)
+against the codec alone, held_vs_codec and checked_vs_codec = codec-held and codec-checked
 against the codec alone; peak RSS = the largest of the hsstore loader cases).
 """
 
@@ -417,7 +425,7 @@ def main() -> None:
         "hs_none:1:warm", f"hs_none:{n}:warm", f"hs_none+noverify:{n}:warm",
         f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm",
         f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm", "codec:1:warm",
-        "codec-mapped:1:warm", "codec-pread:1:warm", f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
+        "codec-mapped:1:warm", "codec-pread:1:warm", "codec-held:1:warm", "codec-checked:1:warm", f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
     ]  # fmt: skip
     res: dict[str, dict] = {}
     for _ in range(args.rounds):  # whole rounds, interleaved: load drifts hit every case alike
@@ -456,8 +464,14 @@ def main() -> None:
     print(f"the codec reading the files (mapped {g['codec-mapped:1:warm']:.2f} GB/s, preadv "
           f"{g['codec-pread:1:warm']:.2f} GB/s) vs the codec alone (1 core, {codec:.2f} GB/s): "
           f"{files / codec:.2f}")  # fmt: skip
+    held, checked = g["codec-held:1:warm"], g["codec-checked:1:warm"]
+    print(f"the codec from memory into batch-sized memory ({held:.2f} GB/s, no checks) vs the codec "
+          f"alone: {held / codec:.2f}")  # fmt: skip
+    print(f"the codec reading the files with preadv and checksumming what it decodes "
+          f"({checked:.2f} GB/s) vs the codec alone: {checked / codec:.2f}")  # fmt: skip
     print(f"compressed loader (1 thread) vs the codec alone: {comp1 / codec:.2f}; vs the codec "
-          f"reading the files: {comp1 / files:.2f}")  # fmt: skip
+          f"reading the files: {comp1 / files:.2f}; vs the codec into batch memory: "
+          f"{comp1 / held:.2f}; vs the codec reading and checksumming: {comp1 / checked:.2f}")  # fmt: skip
     print(f"uncompressed loader without whole-sample checksums (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
@@ -466,6 +480,7 @@ def main() -> None:
         f"loader_vs_v1={g[f'hs_none:{n}:warm'] / g[f'v1:{n}:warm']:.2f} "
         f"compressed_gb_s_per_core={comp1:.2f} codec_gb_s={codec:.2f} "
         f"loader_vs_codec={comp1 / codec:.2f} codec_files_vs_codec={files / codec:.2f} "
+        f"held_vs_codec={held / codec:.2f} checked_vs_codec={checked / codec:.2f} "
         f"peak_rss_mb={peak:.0f}"
     )
     if tmp is not None:

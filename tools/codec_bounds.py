@@ -4,7 +4,13 @@
   as `tools/bench_codec.py` times it;
 * `codec_files_runner`: the chunks got as any reader of the files must get them (a memory map,
   its pages dropped after each shard, or a ``preadv`` per chunk into a reused buffer) and
-  decoded without crc one after another into a batch-sized buffer.
+  decoded without crc one after another into a batch-sized buffer. With ``how="held"`` the
+  chunks are held in memory instead, so only the batch-sized destination differs from
+  `codec_runner`: the rate no loader on one core passes, whatever it does about reads and
+  checks, since every batch it delivers lands in such memory. With ``how="checked"`` they are
+  read with ``preadv`` and every decoded chunk also goes through XXH3, as a loader's
+  whole-sample checksum takes it: the bound of a loader on one core that reads its files the
+  way hsstore does (no memory maps) and verifies what it delivers.
 """
 
 from __future__ import annotations
@@ -54,9 +60,12 @@ def codec_runner(path: Path):
 
 def codec_files_runner(path: Path, batch_bytes: int, how: str):
     """The codec alone, one core, reading the files as a loader must (``how``: "mapped" or
-    "pread"), chunks decoded without crc into consecutive places of a batch-sized buffer;
-    returns the decoded bytes."""
+    "pread"; "held": the chunks read into memory beforehand; "checked": "pread" plus XXH3 of
+    each decoded chunk), chunks decoded without crc into consecutive places of a batch-sized
+    buffer; returns the decoded bytes."""
     import mmap
+
+    import xxhash
 
     man, codec, shards = held_chunks(path)
     size = man.chunk_nbytes
@@ -68,18 +77,31 @@ def codec_files_runner(path: Path, batch_bytes: int, how: str):
     for storage, key, ranges in shards:
         fd = os.open(Path(storage.root) / key, os.O_RDONLY)
         files.append((fd, mmap.mmap(fd, 0, prot=mmap.PROT_READ), ranges))
+    held = []
+    if how == "held":
+        for storage, key, ranges in shards:
+            data = memoryview(storage.read_bytes(key))
+            held += [data[o : o + n] for o, n in ranges]
 
     def run(epoch: int) -> int:
+        if held:
+            for k, chunk in enumerate(held):
+                codec.decode_into(chunk, outs[k % places], what="codec", crc=False)
+            return len(held) * size
         k = 0
+        hasher = xxhash.xxh3_64() if how == "checked" else None
         for fd, mapped, ranges in files:
             view = memoryview(mapped)
             for o, n in ranges:
-                if how == "pread":
+                if how == "mapped":
+                    chunk = view[o : o + n]
+                else:
                     os.preadv(fd, [staging[:n]], o)
                     chunk = staging[:n]
-                else:
-                    chunk = view[o : o + n]
-                codec.decode_into(chunk, outs[k % places], what="codec", crc=False)
+                out = outs[k % places]
+                codec.decode_into(chunk, out, what="codec", crc=False)
+                if hasher is not None:
+                    hasher.update(out)
                 k += 1
             view.release()
             mapped.madvise(mmap.MADV_DONTNEED)
