@@ -65,7 +65,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from hsstore.format.codecs import DEFAULT_CODEC as COMPRESSED  # noqa: E402
-from tools.codec_bounds import codec_files_runner, codec_runner  # noqa: E402
+from tools.codec_bounds import (  # noqa: E402
+    codec_files_runner,
+    codec_held_runner,
+    codec_runner,
+)
 
 LAYERS = 4
 
@@ -353,6 +357,8 @@ def run_case(args: argparse.Namespace) -> None:
         run = _v1_runner(root, threads, args.max_tokens)
     elif kind == "codec":
         run = codec_runner(root / f"hs_{COMPRESSED}")
+    elif kind == "codec-held":
+        run = codec_held_runner(root / f"hs_{COMPRESSED}", batch_bytes)
     elif kind.startswith("codec-"):
         how = kind.removeprefix("codec-")
         run = codec_files_runner(root / f"hs_{COMPRESSED}", batch_bytes, how)

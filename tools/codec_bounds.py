@@ -4,13 +4,14 @@
   as `tools/bench_codec.py` times it;
 * `codec_files_runner`: the chunks got as any reader of the files must get them (a memory map,
   its pages dropped after each shard, or a ``preadv`` per chunk into a reused buffer) and
-  decoded without crc one after another into a batch-sized buffer. With ``how="held"`` the
-  chunks are held in memory instead, so only the batch-sized destination differs from
-  `codec_runner`: the rate no loader on one core passes, whatever it does about reads and
-  checks, since every batch it delivers lands in such memory. With ``how="checked"`` they are
-  read with ``preadv`` and every decoded chunk also goes through XXH3, as a loader's
+  decoded without crc one after another into a batch-sized buffer. With ``how="checked"``
+  they are read with ``preadv`` and every decoded chunk also goes through XXH3, as a loader's
   whole-sample checksum takes it: the bound of a loader on one core that reads its files the
-  way hsstore does (no memory maps) and verifies what it delivers.
+  way hsstore does (no memory maps) and verifies what it delivers;
+* `codec_held_runner`: the chunks held in memory as for `codec_runner`, decoded without crc
+  into a batch-sized buffer, so only the destination differs from `codec_runner`: the rate no
+  loader on one core passes, whatever it does about reads and checks, since every batch it
+  delivers lands in such memory.
 """
 
 from __future__ import annotations
@@ -40,14 +41,27 @@ def held_chunks(path: Path):
     return man, ChunkCodec(man.codec, man.storage_dtype.itemsize), shards
 
 
-def codec_runner(path: Path):
-    """The codec alone, one core: every chunk of the dataset at ``path``, read into memory
-    first, decoded (crc checked) into one reused buffer; returns the decoded bytes."""
-    man, codec, shards = held_chunks(path)
+def _chunks_in_memory(shards) -> list[memoryview]:
+    """Every chunk of ``shards`` (`held_chunks`), its shard file read into memory once."""
     chunks = []
     for storage, key, ranges in shards:
         data = memoryview(storage.read_bytes(key))
         chunks += [data[o : o + n] for o, n in ranges]
+    return chunks
+
+
+def _batch_places(size: int, batch_bytes: int) -> list[np.ndarray]:
+    """Consecutive chunk-sized places of one batch-sized buffer, touched once before timing."""
+    places = max(1, batch_bytes // size)
+    batch = np.ones(places * size, np.uint8)
+    return [batch[k * size : (k + 1) * size] for k in range(places)]
+
+
+def codec_runner(path: Path):
+    """The codec alone, one core: every chunk of the dataset at ``path``, read into memory
+    first, decoded (crc checked) into one reused buffer; returns the decoded bytes."""
+    man, codec, shards = held_chunks(path)
+    chunks = _chunks_in_memory(shards)
     out = np.empty(man.chunk_nbytes, np.uint8)
 
     def run(epoch: int) -> int:
@@ -58,36 +72,40 @@ def codec_runner(path: Path):
     return run
 
 
+def codec_held_runner(path: Path, batch_bytes: int):
+    """The codec alone, one core: every chunk read into memory first, as for `codec_runner`,
+    but decoded without crc into consecutive places of a batch-sized buffer; returns the
+    decoded bytes."""
+    man, codec, shards = held_chunks(path)
+    chunks = _chunks_in_memory(shards)
+    outs = _batch_places(man.chunk_nbytes, batch_bytes)
+
+    def run(epoch: int) -> int:
+        for k, chunk in enumerate(chunks):
+            codec.decode_into(chunk, outs[k % len(outs)], what="codec", crc=False)
+        return len(chunks) * man.chunk_nbytes
+
+    return run
+
+
 def codec_files_runner(path: Path, batch_bytes: int, how: str):
     """The codec alone, one core, reading the files as a loader must (``how``: "mapped" or
-    "pread"; "held": the chunks read into memory beforehand; "checked": "pread" plus XXH3 of
-    each decoded chunk), chunks decoded without crc into consecutive places of a batch-sized
-    buffer; returns the decoded bytes."""
+    "pread"; "checked": "pread" plus XXH3 of each decoded chunk), chunks decoded without crc
+    into consecutive places of a batch-sized buffer; returns the decoded bytes."""
     import mmap
 
     import xxhash
 
     man, codec, shards = held_chunks(path)
     size = man.chunk_nbytes
-    places = max(1, batch_bytes // size)
-    batch = np.ones(places * size, np.uint8)  # touched once, before timing matters
-    outs = [batch[k * size : (k + 1) * size] for k in range(places)]
+    outs = _batch_places(size, batch_bytes)
     staging = memoryview(np.ones(2 * size, np.uint8))  # a chunk never grows past this
     files = []
     for storage, key, ranges in shards:
         fd = os.open(Path(storage.root) / key, os.O_RDONLY)
         files.append((fd, mmap.mmap(fd, 0, prot=mmap.PROT_READ), ranges))
-    held = []
-    if how == "held":
-        for storage, key, ranges in shards:
-            data = memoryview(storage.read_bytes(key))
-            held += [data[o : o + n] for o, n in ranges]
 
     def run(epoch: int) -> int:
-        if held:
-            for k, chunk in enumerate(held):
-                codec.decode_into(chunk, outs[k % places], what="codec", crc=False)
-            return len(held) * size
         k = 0
         hasher = xxhash.xxh3_64() if how == "checked" else None
         for fd, mapped, ranges in files:
@@ -98,7 +116,7 @@ def codec_files_runner(path: Path, batch_bytes: int, how: str):
                 else:
                     os.preadv(fd, [staging[:n]], o)
                     chunk = staging[:n]
-                out = outs[k % places]
+                out = outs[k % len(outs)]
                 codec.decode_into(chunk, out, what="codec", crc=False)
                 if hasher is not None:
                     hasher.update(out)
