@@ -29,6 +29,12 @@ DataLoader workers) is its own. Cases, all shuffled, ``max_tokens`` packed batch
 * codec-checked: codec-files with ``preadv``, plus XXH3 over every decoded chunk as the
   whole-sample checksum takes it: the bound of a loader on one decode thread that reads the
   files as hsstore does and verifies what it delivers (``checked_vs_codec``);
+* timed: the compressed loader with one decode thread again, every call of the codec inside
+  it timed (`time_codec_calls`): ``codec_share`` is the share of the loader's epoch spent in
+  the codec's own calls and ``codec_in_loader_vs_codec`` their rate against the codec alone.
+  Since ``loader_vs_codec = codec_share x codec_in_loader_vs_codec``, these two say how much
+  of the epoch the decode thread may spend on anything else (reads, checksums, batches) for a
+  given ``loader_vs_codec``;
 * cold: the ceiling and the loaders again after evicting the files from the page cache with
   ``posix_fadvise(DONTNEED)`` (only our files; other processes' caches are left alone).
 
@@ -38,7 +44,7 @@ hidden-state bytes delivered (tokens x layers x hidden x itemsize). The last lin
 
     loader_vs_ceiling=.. loader_vs_v1=.. compressed_gb_s_per_core=.. codec_gb_s=..
     loader_vs_codec=.. codec_files_vs_codec=.. held_vs_codec=.. checked_vs_codec=..
-    peak_rss_mb=..
+    codec_share=.. codec_in_loader_vs_codec=.. peak_rss_mb=..
 
 (loader = uncompressed, all cores, warm; ceiling with as many threads; codec_gb_s = the codec's
 own single-core decode rate, loader_vs_codec = the compressed loader on one decode thread
@@ -69,6 +75,7 @@ from tools.codec_bounds import (  # noqa: E402
     codec_files_runner,
     codec_held_runner,
     codec_runner,
+    time_codec_calls,
 )
 
 LAYERS = 4
@@ -365,11 +372,13 @@ def run_case(args: argparse.Namespace) -> None:
     else:
         name, _, flag = kind.partition("+")
         run = _loader_runner(root / name, threads, args.max_tokens, verify=flag != "noverify")
+    in_codec = time_codec_calls() if kind.endswith("+timed") else [0.0]
 
-    def once(epoch: int) -> tuple[float, int]:
+    def once(epoch: int) -> tuple[float, int, float]:
+        in_codec[0] = 0.0
         t0 = time.perf_counter()
         n = run(epoch)
-        return time.perf_counter() - t0, n
+        return time.perf_counter() - t0, n, in_codec[0]
 
     sampler = _PssSampler()
     sampler.start()
@@ -379,7 +388,7 @@ def run_case(args: argparse.Namespace) -> None:
         results = [once(1)]
     else:
         results = [once(1 + k) for k in range(args.repeat)]
-    secs, amount = min(results)
+    secs, amount, codec_secs = min(results)
     peak_pss_kb = sampler.stop()
     # VmHWM is per address space and starts afresh at exec (ru_maxrss would inherit the
     # parent's high-water mark across fork+exec).
@@ -391,6 +400,7 @@ def run_case(args: argparse.Namespace) -> None:
     )
     print(json.dumps({
         "case": args.case, "seconds": secs, "gb_s": nbytes / secs / 1e9,
+        "codec_seconds": codec_secs,
         "tokens_s": (nbytes / (LAYERS * args.hidden * 2)) / secs,
         "peak_rss_mb": self_hwm_kb / 1024, "peak_pss_all_mb": peak_pss_kb / 1024,
     }))  # fmt: skip
@@ -429,7 +439,7 @@ def main() -> None:
     cases = [
         "ceiling:1:warm", f"ceiling:{n}:warm",
         "hs_none:1:warm", f"hs_none:{n}:warm", f"hs_none+noverify:{n}:warm",
-        f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm",
+        f"hs_{COMPRESSED}:1:warm", f"hs_{COMPRESSED}:{n}:warm", f"hs_{COMPRESSED}+timed:1:warm",
         f"v1:{n}:warm", "direct-hs_none:1:warm", f"direct-hs_{COMPRESSED}:1:warm", "codec:1:warm",
         "codec-mapped:1:warm", "codec-pread:1:warm", "codec-held:1:warm", "codec-checked:1:warm", f"ceiling:{n}:cold", f"hs_none:{n}:cold", f"hs_{COMPRESSED}:{n}:cold", f"v1:{n}:cold",
     ]  # fmt: skip
@@ -478,6 +488,12 @@ def main() -> None:
     print(f"compressed loader (1 thread) vs the codec alone: {comp1 / codec:.2f}; vs the codec "
           f"reading the files: {comp1 / files:.2f}; vs the codec into batch memory: "
           f"{comp1 / held:.2f}; vs the codec reading and checksumming: {comp1 / checked:.2f}")  # fmt: skip
+    timed = res[f"hs_{COMPRESSED}+timed:1:warm"]
+    share = timed["codec_seconds"] / timed["seconds"]
+    in_loader = timed["gb_s"] / share
+    print(f"compressed loader (1 thread), its codec calls timed: {share:.2f} of the epoch in the "
+          f"codec, decoding at {in_loader:.2f} GB/s there ({in_loader / codec:.2f} of the codec "
+          f"alone)")  # fmt: skip
     print(f"uncompressed loader without whole-sample checksums (verify_reads=False) vs ceiling: "
           f"{g[f'hs_none+noverify:{n}:warm'] / g[f'ceiling:{n}:warm']:.2f}")  # fmt: skip
     peak = max(r["peak_rss_mb"] for c, r in res.items() if c.startswith("hs_"))
@@ -487,6 +503,7 @@ def main() -> None:
         f"compressed_gb_s_per_core={comp1:.2f} codec_gb_s={codec:.2f} "
         f"loader_vs_codec={comp1 / codec:.2f} codec_files_vs_codec={files / codec:.2f} "
         f"held_vs_codec={held / codec:.2f} checked_vs_codec={checked / codec:.2f} "
+        f"codec_share={share:.2f} codec_in_loader_vs_codec={in_loader / codec:.2f} "
         f"peak_rss_mb={peak:.0f}"
     )
     if tmp is not None:

@@ -11,7 +11,9 @@
 * `codec_held_runner`: the chunks held in memory as for `codec_runner`, decoded without crc
   into a batch-sized buffer, so only the destination differs from `codec_runner`: the rate no
   loader on one core passes, whatever it does about reads and checks, since every batch it
-  delivers lands in such memory.
+  delivers lands in such memory;
+* `time_codec_calls`: the seconds a process spends inside the codec's decode calls, which
+  splits a one-thread loader's epoch into the codec's own work and everything else.
 """
 
 from __future__ import annotations
@@ -126,3 +128,24 @@ def codec_files_runner(path: Path, batch_bytes: int, how: str):
         return k * size
 
     return run
+
+
+def time_codec_calls() -> list[float]:
+    """From now on, add the seconds of every `ChunkCodec.decode_into` call in this process to
+    the returned one-element list (a benchmark's own process only: the codec is wrapped)."""
+    import time
+
+    from hsstore.format.codecs import ChunkCodec
+
+    spent = [0.0]
+    decode_into = ChunkCodec.decode_into
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return decode_into(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    ChunkCodec.decode_into = timed
+    return spent
