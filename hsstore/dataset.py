@@ -20,21 +20,19 @@ from hsstore import fp8
 from hsstore.errors import (
     BadInputError,
     HsstoreError,
-    IntegrityError,
-    StorageError,
 )
-from hsstore.format import commit, paths, tiers
+from hsstore.format import commit, tiers
 from hsstore.format.dtypes import storage_view
 from hsstore.format.layers import LayerSpec
 from hsstore.format.lease import DEFAULT_TTL_S
 from hsstore.format.locations import open_storage
 from hsstore.format.manifest import Manifest
-from hsstore.format.sample_index import finish_checksum
 from hsstore.format.store import Storage
 from hsstore.joined_index import JoinedIndex
 from hsstore.sample import Sample
+from hsstore.sample_checks import check_sample, sample_errors, token_columns
 from hsstore.segment import SegmentReader
-from hsstore.segment_set import LoadedSegments, is_damage, load_segments
+from hsstore.segment_set import LoadedSegments, load_segments
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
 
@@ -270,20 +268,20 @@ class Dataset:
         return out
 
     def will_read(
-        self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None
-    ) -> None:
-        """Samples about to be read (the loader hints its next batch while it decodes the
-        current one): on local disk the reads of their chunks start now, so the reads that
-        follow find them in memory instead of waiting for the device; on object storage
-        nothing happens. A hint: it neither checks nor decodes anything."""
+        self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None,
+        stage: bool = False,
+    ) -> None:  # fmt: skip
+        """Samples about to be read (the loader hints its next batch while it decodes this
+        one): on local disk their chunks start coming in from the device now, and with
+        ``stage`` (one thread reads them next, in storage order) compressed chunks are read
+        into memory by the storage's own thread. A hint: it neither checks nor decodes."""
         layer_list = self._check_layers(layers)
         index = self._index
         pos = index.positions(positions)
         segment, row, num_tokens = index.segment[pos], index.row[pos], index.len[pos]
         for seg in np.unique(segment).tolist():
-            mine = segment == seg
-            starts = row[mine]
-            self._readers[seg].will_read_rows(starts, starts + num_tokens[mine], layer_list)
+            starts, n = row[segment == seg], num_tokens[segment == seg]
+            self._readers[seg].will_read_rows(starts, starts + n, layer_list, stage=stage)
 
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
@@ -303,18 +301,20 @@ class Dataset:
         placed: Iterable[tuple[int, int]],
         *,
         layers: Sequence[int] | None = None,
+        unchecked: list[tuple[int, int]] | None = None,
     ) -> int:
         """Decode whole samples into the token rows of ``out`` ([R, len(layers), H], contiguous
         CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
         lands in ``out[row : row + T_i]``. Returns how many samples were read.
 
-        The same bytes and checks as `read_hidden_into` per sample, with the checks of ``out``
-        done once. ``placed`` is drawn one pair at a time, as each read is done, so threads
-        that each draw from one shared queue of work split a batch between them.
-        """
+        The same bytes and checks as `read_hidden_into` per sample, the checks of ``out`` done
+        once. ``placed`` is drawn a pair at a time, as each read is done, so threads drawing
+        from one shared queue split a batch between them. With an ``unchecked`` list, sample
+        checksums are left to `check_decoded`: ``(position, row)`` is appended for each."""
         layer_list = self._check_layers(layers)
         values = self._check_out(out, layer_list, None, values_ok=True)
         np_out = None if values else storage_view(out)
+        defer = unchecked is not None and not values and self.verify_reads and layer_list is None
         done = 0
         for i, first in placed:
             i = self._index.position(i)
@@ -327,7 +327,9 @@ class Dataset:
             if np_out is None:
                 self._read_into(i, layer_list, out[first : first + n], values)
             else:
-                self._decode(i, layer_list, np_out[first : first + n], columns=False)
+                self._decode(i, layer_list, np_out[first : first + n], deferred=defer)
+            if defer:
+                unchecked.append((i, first))  # type: ignore[union-attr]
             done += 1
         return done
 
@@ -414,44 +416,43 @@ class Dataset:
         layers: list[int] | None,
         np_out: np.ndarray,
         *,
-        columns: bool,
+        columns: bool = False,
         threads: int = 1,
+        deferred: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
-        sample checksum when reads are verified and all layers are read. Returns its token
-        columns and scales, read only when ``columns`` or the checksum needs them (else empty)."""
+        sample checksum when reads are verified and all layers are read, unless the caller
+        checks it later (``deferred``: `check_decoded`). Returns its token columns and scales,
+        read only when ``columns`` or the checksum needs them (else empty)."""
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
-        hasher = xxhash.xxh3_64() if self.verify_reads and layers is None else None
-        ids = mask = _NO_ROWS
-        scales = None
-        try:
-            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, threads=threads)
+        checked = self.verify_reads and layers is None
+        hasher = xxhash.xxh3_64() if checked and not deferred else None
+        # A deferred check covers the decoded bytes, as the sample checksum always does.
+        crc = False if checked and deferred else None
+        cols: tuple[np.ndarray, np.ndarray, np.ndarray | None] = (_NO_ROWS, _NO_ROWS, None)
+        where = (self.storage, reader, self.sample_ids[i])
+        with sample_errors(*where):
+            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc, threads=threads)
             if columns or hasher is not None:
-                ids = reader.column("input_ids")[row : row + n]
-                mask = reader.column("loss_mask")[row : row + n]
-                if self.manifest.scaled:
-                    scales = reader.column(paths.SCALES)[row : row + n]
-        except HsstoreError as exc:
-            cls = IntegrityError if is_damage(exc) else StorageError
-            raise cls(exc.message, path=exc.path, sample_id=self.sample_ids[i]) from exc
-        except OSError as exc:  # a committed file missing or unreadable
-            if not is_damage(exc):
-                raise
-            raise IntegrityError(
-                f"cannot read a committed file ({exc.strerror or exc})",
-                path=exc.filename or self.storage.path_of(paths.segment_dir(reader.info.id)),
-                sample_id=self.sample_ids[i],
-            ) from exc
-        if hasher is not None and finish_checksum(hasher, ids, mask, scales) != int(
-            self._index.checksum[i]
-        ):
-            raise IntegrityError(
-                "sample checksum mismatch (corrupted bytes)",
-                path=self.storage.path_of(paths.segment_dir(reader.info.id)),
-                sample_id=self.sample_ids[i],
-            )
-        return ids, mask, scales
+                cols = token_columns(reader, row, n)
+            if hasher is not None:
+                check_sample(hasher, cols, int(self._index.checksum[i]), *where)
+        return cols
+
+    def check_decoded(self, out: torch.Tensor, unchecked: Iterable[tuple[int, int]]) -> None:
+        """Verify the sample checksums that `read_hidden_many_into` left to the caller: sample
+        ``i`` decoded into ``out[row:]`` for each ``(i, row)`` of ``unchecked``."""
+        np_out = storage_view(out)
+        for i, first in unchecked:
+            reader = self._readers[self._index.segment[i]]
+            row, n = int(self._index.row[i]), int(self._index.len[i])
+            where = (self.storage, reader, self.sample_ids[i])
+            with sample_errors(*where):
+                hasher = xxhash.xxh3_64(np_out[first : first + n])
+                check_sample(
+                    hasher, token_columns(reader, row, n), int(self._index.checksum[i]), *where
+                )
 
     # -- writing -------------------------------------------------------------------------------
     def writer(

@@ -290,11 +290,18 @@ class SegmentReader:
             c = end + 1
 
     def will_read_rows(
-        self, starts: np.ndarray, stops: np.ndarray, layers: Sequence[int] | None
+        self,
+        starts: np.ndarray,
+        stops: np.ndarray,
+        layers: Sequence[int] | None,
+        *,
+        stage: bool = False,
     ) -> None:
         """Rows [starts[k], stops[k]) of the given stored layers (None: all) are about to be
         read: hand the storage the bytes of their chunks, shard by shard, so that reads from
-        disk are under way before the decoding gets to them (`Storage.will_read`)."""
+        disk are under way before the decoding gets to them (`Storage.will_read`); with
+        ``stage``, compressed chunks (read whole) one range each, for the storage to read
+        into memory ahead."""
         if not len(starts):
             return
         layout = self.manifest.layout
@@ -310,9 +317,12 @@ class SegmentReader:
             in_shard = chunks[chunks // cps == shard] - shard * cps
             key = self.key(paths.shard_relpath(shard))
             try:
-                self.storage.will_read(
-                    key, self.shard_index(shard).byte_ranges(in_shard, layer_chunks)
+                # Uncompressed rows are read as a sample needs them, not as whole chunks.
+                exact = stage and self.manifest.codec.compressed
+                ranges = self.shard_index(shard).byte_ranges(
+                    in_shard, layer_chunks, merge=not exact
                 )
+                self.storage.will_read(key, ranges, stage=exact)
             except (HsstoreError, OSError):
                 continue  # a hint fails nothing: the read that needs these bytes reports it
 

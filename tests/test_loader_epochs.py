@@ -85,8 +85,8 @@ class DecodeCounter:
                     self._done(1)
                 yield pair
 
-        def counting_many(out, placed, layers):
-            n = read_many(out, drawn(placed), layers)
+        def counting_many(out, placed, layers, unchecked=None):
+            n = read_many(out, drawn(placed), layers, unchecked)
             self._done(1 if n else 0)
             return n
 

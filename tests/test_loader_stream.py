@@ -387,15 +387,15 @@ class _DecodeSpy:
                 self.reads.append(i)
                 yield i, row
 
-        def reading_many(out, placed, layers):
-            return read_many(out, drawn(placed), layers)
+        def reading_many(out, placed, layers, unchecked=None):
+            return read_many(out, drawn(placed), layers, unchecked)
 
         loader.source.read_hidden_many_into = reading_many  # type: ignore[method-assign]
         claimed = BatchFetcher._decode_claimed
 
-        def counting(fetcher, rows, todo):
+        def counting(fetcher, rows, todo, unchecked):
             self.tasks += 1
-            claimed(fetcher, rows, todo)
+            claimed(fetcher, rows, todo, unchecked)
 
         monkeypatch.setattr(BatchFetcher, "_decode_claimed", counting)
 

@@ -174,10 +174,10 @@ class DatasetSource:
         picked = tiers.scales_for_layers(scales, None if layers == self._all_layers else layers)
         return torch.from_numpy(np.ascontiguousarray(picked).reshape(len(scales), -1))
 
-    def will_read(self, positions: np.ndarray, layers: list[int]) -> None:
+    def will_read(self, positions: np.ndarray, layers: list[int], stage: bool = False) -> None:
         """The samples of a batch about to be decoded (`Dataset.will_read`)."""
         whole = layers == self._all_layers
-        self.ds.will_read(positions, layers=None if whole else layers)
+        self.ds.will_read(positions, layers=None if whole else layers, stage=stage)
 
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
@@ -189,13 +189,23 @@ class DatasetSource:
         self.ds.read_hidden_into(i, out, layers=None if whole else layers)
 
     def read_hidden_many_into(
-        self, out: torch.Tensor, placed: Iterable[tuple[int, int]], layers: list[int]
+        self,
+        out: torch.Tensor,
+        placed: Iterable[tuple[int, int]],
+        layers: list[int],
+        unchecked: list[tuple[int, int]] | None = None,
     ) -> int:
         """Decode whole samples into token rows of ``out`` [R, len(layers), H]: sample ``i``
-        at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``
-        (`Dataset.read_hidden_many_into`)."""
+        at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``, their checksums left
+        to `check_decoded` when ``unchecked`` is given (`Dataset.read_hidden_many_into`)."""
         whole = layers == self._all_layers
-        return self.ds.read_hidden_many_into(out, placed, layers=None if whole else layers)
+        return self.ds.read_hidden_many_into(
+            out, placed, layers=None if whole else layers, unchecked=unchecked
+        )
+
+    def check_decoded(self, out: torch.Tensor, unchecked: list[tuple[int, int]]) -> None:
+        """Verify the checksums `read_hidden_many_into` left (`Dataset.check_decoded`)."""
+        self.ds.check_decoded(out, unchecked)
 
 
 def _data_fingerprint(index: pa.Table) -> int:

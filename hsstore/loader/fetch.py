@@ -10,7 +10,16 @@ chunk that two neighbouring samples share is decoded once and files are read for
 they run, the producer writes the batch's padding and gathers all its token columns at once.
 With a single decode thread there is no pool: the producer decodes each batch itself, after
 its padding and token columns: handing every batch to another thread would overlap only that
-short work, and cost as much again in GIL hand-offs between the two threads. Padding is written
+short work, and cost as much again in GIL hand-offs between the two threads.
+
+Where the decode threads leave a core free, two helpers take work off them. A checker thread
+verifies the whole-sample checksums of a batch while the next one decodes
+(`Dataset.check_decoded`); a batch reaches the consumer only once every sample in it passed.
+With one decode thread, the storage also reads the next batch's chunks into memory on a thread
+of its own (`Dataset.will_read` with ``stage``; on local disk, `ReadStage`), so the decode
+thread finds its input in memory rather than copying it out of the page cache. On cores the
+decode threads keep busy, neither pays: hashing right after decoding, while the bytes are in
+cache, costs less than hashing them again later. Padding is written
 only where a buffer may hold stale rows (``HostBuffers.clean_from``). Before a batch is
 decoded, the next one's samples are handed to the storage (`Dataset.will_read`): on local disk
 their chunks come in from the device while this batch decodes. At most ``prefetch``
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -145,6 +155,13 @@ class BatchFetcher:
             if num_threads > 1
             else None
         )
+        spare_core = num_threads < _usable_cores()
+        self._checker = (
+            ThreadPoolExecutor(1, thread_name_prefix="hsstore-check")
+            if source.verify_reads and spare_core
+            else None
+        )
+        self._stage = spare_core and num_threads == 1
         self._thread = threading.Thread(
             target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
         )
@@ -196,8 +213,10 @@ class BatchFetcher:
                 tokens_rows = raw.hidden.view(b * t, *raw.hidden.shape[2:])
                 # Until the padding is written, all this batch's rows may hold data.
                 clean_from, buf.clean_from = buf.clean_from, max(buf.clean_from, b * t)
+                # The samples whose checksums the checker verifies, from every decode task.
+                unchecked: list[tuple[int, int]] | None = [] if self._checker else None
                 futures = [
-                    self._pool.submit(self._decode_claimed, tokens_rows, todo)
+                    self._pool.submit(self._decode_claimed, tokens_rows, todo, unchecked)
                     for _ in range(min(self._num_threads, len(todo)))
                 ] if self._pool is not None else []  # fmt: skip
                 try:  # while the samples decode (padding and token columns lie elsewhere)
@@ -210,12 +229,12 @@ class BatchFetcher:
                         scales = self.source.read_scales_many(samples, tokens, self._layers)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask, scales)
                     if upcoming is not None and upcoming is not WAIT:  # its reads from disk
-                        self.source.will_read(upcoming[0], self._layers)  # overlap this decode
+                        self.source.will_read(upcoming[0], self._layers, self._stage)
                 except BaseException:
                     todo.clear()
                     raise
                 if self._pool is None:  # one decode thread: this one, with no hand-off
-                    self._decode_claimed(tokens_rows, todo)
+                    self._decode_claimed(tokens_rows, todo, unchecked)
                 values = buf.values_view(b, t)
                 if values is not None and self._pool is None:
                     raw = dequantize_batch(raw, values)
@@ -223,6 +242,12 @@ class BatchFetcher:
                     decoded = list(futures)
                     futures.append(self._pool.submit(self._dequantize_after, decoded, raw, values))
                     raw = dataclasses.replace(raw, hidden=values, scales=None)
+                if self._checker is not None and unchecked is not None:
+                    futures.append(
+                        self._checker.submit(
+                            self._check_after, list(futures), tokens_rows, unchecked
+                        )
+                    )
                 if not self._put((buf, raw, futures)):
                     return
             self._put(_END)
@@ -236,6 +261,14 @@ class BatchFetcher:
         for f in decoded:
             f.result()
         dequantize_batch(raw, values)
+
+    def _check_after(
+        self, decoded: list[Future], tokens_rows: torch.Tensor, unchecked: list[tuple[int, int]]
+    ) -> None:  # runs on the checker thread
+        """Verify the checksums of a batch's samples once its decode tasks are done."""
+        for f in decoded:
+            f.result()
+        self.source.check_decoded(tokens_rows, unchecked)
 
     def _decode_order(
         self, samples: np.ndarray, places: Placements, seq_len: int
@@ -275,14 +308,20 @@ class BatchFetcher:
     def _put(self, item: object) -> bool:
         return put_unless_stopped(self._out, item, self._stop)
 
-    def _decode_claimed(self, tokens_rows: torch.Tensor, todo: deque[_Placed]) -> None:
+    def _decode_claimed(
+        self,
+        tokens_rows: torch.Tensor,
+        todo: deque[_Placed],
+        unchecked: list[tuple[int, int]] | None,
+    ) -> None:
         """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
         ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
         share the work without a lock) or the fetcher stops. Whole samples go through one
-        `read_hidden_many_into` call per task (its checks and views paid once per batch)."""
+        `read_hidden_many_into` call per task (its checks and views paid once per batch), their
+        checksums left to the checker (``unchecked``)."""
         try:
             self.source.read_hidden_many_into(
-                tokens_rows, self._claim(tokens_rows, todo), self._layers
+                tokens_rows, self._claim(tokens_rows, todo), self._layers, unchecked
             )
         except BaseException:
             todo.clear()  # the batch is lost: its other tasks stop at their next claim
@@ -371,12 +410,14 @@ class BatchFetcher:
         self._free.put(None)
         with contextlib.suppress(queue.Empty):
             self._out.get_nowait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._checker):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._checker):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def __del__(self) -> None:
         # Not contextlib.suppress: at interpreter exit this module's globals may already be
@@ -385,6 +426,12 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _buffers(

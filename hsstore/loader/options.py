@@ -43,7 +43,7 @@ class LoaderOptions:
     # who reads: default torch.distributed's rank and world size, else (0, 1)
     rank: int | None = None
     world_size: int | None = None
-    verify_reads: bool | None = None  # checksum every read (default: remote storage only)
+    verify_reads: bool | None = None  # checksum every read (default: the dataset's, else True)
     # following a growing dataset (follow.FollowConfig)
     follow: bool = False
     follow_window: int = 256

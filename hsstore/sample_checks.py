@@ -1,0 +1,65 @@
+"""The whole-sample checksum of a decoded sample, checked in one place: by a read that hashes
+the states as they land (`Dataset.read_hidden_into`) and by a batch read that leaves the check
+to a thread of its own (`Dataset.check_decoded`, the loader's checker)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import xxhash
+
+from hsstore.errors import HsstoreError, IntegrityError, StorageError
+from hsstore.format import paths
+from hsstore.format.sample_index import finish_checksum
+from hsstore.format.store import Storage
+from hsstore.segment import SegmentReader
+from hsstore.segment_set import is_damage
+
+
+@contextlib.contextmanager
+def sample_errors(storage: Storage, reader: SegmentReader, sample_id: str) -> Iterator[None]:
+    """Report a failed read of one sample as the sample's: damage to committed files as an
+    `IntegrityError`, a storage that failed to answer as a `StorageError`, both naming it."""
+    try:
+        yield
+    except HsstoreError as exc:
+        cls = IntegrityError if is_damage(exc) else StorageError
+        raise cls(exc.message, path=exc.path, sample_id=sample_id) from exc
+    except OSError as exc:  # a committed file missing or unreadable
+        if not is_damage(exc):
+            raise
+        raise IntegrityError(
+            f"cannot read a committed file ({exc.strerror or exc})",
+            path=exc.filename or storage.path_of(paths.segment_dir(reader.info.id)),
+            sample_id=sample_id,
+        ) from exc
+
+
+def token_columns(
+    reader: SegmentReader, row: int, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The stored ``input_ids``, ``loss_mask`` and (scaled tiers) scales of rows [row, row+n)."""
+    ids = reader.column("input_ids")[row : row + n]
+    mask = reader.column("loss_mask")[row : row + n]
+    scaled = reader.manifest.scaled
+    return ids, mask, reader.column(paths.SCALES)[row : row + n] if scaled else None
+
+
+def check_sample(
+    hasher: xxhash.xxh3_64,
+    columns: tuple[np.ndarray, np.ndarray, np.ndarray | None],
+    expected: int,
+    storage: Storage,
+    reader: SegmentReader,
+    sample_id: str,
+) -> None:
+    """Raise unless ``hasher`` (fed the sample's states bytes) and its token ``columns`` give
+    the checksum its index records."""
+    if finish_checksum(hasher, *columns) != expected:
+        raise IntegrityError(
+            "sample checksum mismatch (corrupted bytes)",
+            path=storage.path_of(paths.segment_dir(reader.info.id)),
+            sample_id=sample_id,
+        )
