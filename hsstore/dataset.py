@@ -17,6 +17,7 @@ import torch
 import xxhash
 
 from hsstore import fp8
+from hsstore.cores import usable_cores
 from hsstore.errors import (
     BadInputError,
     HsstoreError,
@@ -52,8 +53,7 @@ def default_read_threads() -> int:
     """Threads one sample's read may decode on: the usable cores, at most 4 (a sample's chunks
     rarely keep more busy, and a caller running many reads at once keeps the cores busy itself).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(4, cores or 1))
+    return max(1, min(4, usable_cores()))
 
 
 class Dataset:

@@ -81,6 +81,7 @@ from tools.codec_bounds import (  # noqa: E402
     codec_runner,
     time_codec_calls,
 )
+from tools.process_memory import PssSampler, status_kb  # noqa: E402
 
 LAYERS = 4
 
@@ -290,60 +291,6 @@ def _v1_runner(root: Path, workers: int, max_tokens: int):
     return run
 
 
-def _status_kb(field: str, pid: str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out.extend(kids)
-                todo.extend(kids)
-        except OSError:
-            continue
-    return out
-
-
-class _PssSampler(threading.Thread):
-    """Peak of the summed PSS of this process and its workers (shared pages counted once)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak_kb = 0
-        self._stop_flag = threading.Event()
-
-    def _sample(self) -> int:
-        total = 0
-        for pid in [os.getpid(), *_descendants(os.getpid())]:
-            try:
-                with open(f"/proc/{pid}/smaps_rollup") as f:
-                    for line in f:
-                        if line.startswith("Pss:"):
-                            total += int(line.split()[1])
-                            break
-            except OSError:
-                continue
-        return total
-
-    def run(self) -> None:
-        while not self._stop_flag.wait(0.05):
-            self.peak_kb = max(self.peak_kb, self._sample())
-
-    def stop(self) -> int:
-        self._stop_flag.set()
-        self.join()
-        return max(self.peak_kb, self._sample())
-
-
 def run_case(args: argparse.Namespace) -> None:
     root = Path(args.data)
     kind, threads, temp = args.case.split(":")
@@ -386,7 +333,7 @@ def run_case(args: argparse.Namespace) -> None:
         n = run(epoch)
         return time.perf_counter() - t0, n, in_codec[0]
 
-    sampler = _PssSampler()
+    sampler = PssSampler()
     sampler.start()
     once(0)  # warm the page cache and this process (buffers, workers' imports)
     if temp == "cold":
@@ -398,7 +345,7 @@ def run_case(args: argparse.Namespace) -> None:
     peak_pss_kb = sampler.stop()
     # VmHWM is per address space and starts afresh at exec (ru_maxrss would inherit the
     # parent's high-water mark across fork+exec).
-    self_hwm_kb = _status_kb("VmHWM")
+    self_hwm_kb = status_kb("VmHWM")
     nbytes = (
         amount
         if kind == "ceiling" or kind.startswith("codec")

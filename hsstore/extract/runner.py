@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hsstore.cores import usable_cores
 from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extract.batching import parse_shard
 from hsstore.extract.extra import require_extract_extra
@@ -153,11 +154,7 @@ def threads_per_worker(workers: int) -> int:
     given = os.environ.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:
         return int(given)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // workers)
+    return max(1, usable_cores() // workers)
 
 
 def worker_specs(

@@ -135,10 +135,10 @@ class LocalStorage(Storage):
                 continue
             if into is None:
                 yield view  # valid until the next is asked for: then it is reused
+                stage.give_back(view)
             else:
                 into[k][:nbytes] = view
-            stage.give_back(view)
-            if into is not None:
+                stage.give_back(view)
                 yield into[k][:nbytes]
 
     def _read_many(

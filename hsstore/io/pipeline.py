@@ -4,7 +4,6 @@ thread limit, and the progress bar."""
 from __future__ import annotations
 
 import functools
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -14,6 +13,7 @@ from typing import TypeVar
 
 import torch
 
+from hsstore.cores import usable_cores
 from hsstore.errors import HsstoreError
 
 T = TypeVar("T")
@@ -21,8 +21,7 @@ T = TypeVar("T")
 
 def default_workers() -> int:
     """One reader thread per usable core, at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(8, cores or 1))
+    return max(1, min(8, usable_cores()))
 
 
 def ordered_map(

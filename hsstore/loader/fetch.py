@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import queue
 import threading
 import time
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hsstore.cores import usable_cores
 from hsstore.loader.batching import WAIT, padded_length
 from hsstore.loader.collate import (
     HostBuffers,
@@ -155,7 +155,7 @@ class BatchFetcher:
             if num_threads > 1
             else None
         )
-        spare_core = num_threads < _usable_cores()
+        spare_core = num_threads < usable_cores()
         self._checker = (
             ThreadPoolExecutor(1, thread_name_prefix="hsstore-check")
             if source.verify_reads and spare_core
@@ -242,7 +242,7 @@ class BatchFetcher:
                     decoded = list(futures)
                     futures.append(self._pool.submit(self._dequantize_after, decoded, raw, values))
                     raw = dataclasses.replace(raw, hidden=values, scales=None)
-                if self._checker is not None and unchecked is not None:
+                if unchecked is not None:  # the checker's, after the decode tasks
                     futures.append(
                         self._checker.submit(
                             self._check_after, list(futures), tokens_rows, unchecked
@@ -426,12 +426,6 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
-
-
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _buffers(
