@@ -13,10 +13,14 @@ def test_every_case_reports_a_rate(tmp_path, capsys):
     assert list(rates) == [
         "raw, one buffer",
         "raw, batch ring",
+        "raw without XXH3, batch ring",
+        "  + XXH3 on a thread",
+        "  + XXH3 in a process",
         "read_hidden_into, one buffer",
         "read_hidden_into, batch ring",
         "read_hidden_many_into, batch ring",
         "loader",
+        "loader, verify_reads=False",
     ]
     assert all(math.isfinite(r) and r > 0 for r in rates.values())
     out = capsys.readouterr().out

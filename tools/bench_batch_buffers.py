@@ -9,10 +9,17 @@ one thread, every case interleaved round after round in one process:
   (its rows in the state files, read whole), into one reused buffer or into the loader's plan
   positions in a ring of ``--ring`` batch buffers (``--huge``: 2 MiB pages via
   ``madvise(MADV_HUGEPAGE)``): the cost of writing into memory that is not in cache;
+* ``raw without XXH3, batch ring``: the same reads into the ring, unhashed: what a loader's
+  decode thread pays when the checksums are taken elsewhere; ``+ XXH3 on a thread`` / ``in a
+  process``: with as many bytes hashed sample by sample, one batch behind the reads, as the
+  loader's checker does, by a thread of this process or by a child process (the thread
+  shares the interpreter's lock with the reads, the process only the memory traffic);
 * ``read_hidden_into, one buffer`` (the benchmark's ``seq``) / ``..., batch ring``: the core's
   per-sample read, checks and checksum included;
 * ``read_hidden_many_into, batch ring``: the loader's path (out checked once per batch);
-* ``loader``: the Loader itself, as ``bench_peers.loader_gb_s`` runs it (closed every epoch).
+* ``loader``: the Loader itself, as ``bench_peers.loader_gb_s`` runs it (closed every epoch);
+* ``loader, verify_reads=False``: the same without the sample checksums (its checker thread):
+  what verifying costs the loader although the checker has a core of its own.
 
     python tools/bench_batch_buffers.py [--samples 300] [--rounds 8] [--ring 3] [--huge]
                                         [--data DATASET]
@@ -24,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +65,48 @@ def huge_page_buffer(nbytes: int, keep: list) -> torch.Tensor:
     out = flat[start : start + nbytes]
     out.zero_()
     return out
+
+
+def _hash_batches(conn, nbytes: int) -> None:
+    """Serve `BesideHasher`: for each list of piece sizes received, hash that many pieces of a
+    buffer of ``nbytes`` one after another (XXH3, as the loader's checker takes each sample)."""
+    buf = np.ones(nbytes, np.uint8)
+    while (sizes := conn.recv()) is not None:
+        at = 0
+        for n in sizes:
+            xxhash.xxh3_64(buf[at : at + n]).intdigest()
+            at += n
+        conn.send(True)
+
+
+class BesideHasher:
+    """The loader checker's hashing, one batch behind the reads, on memory of its own: on a
+    thread of this process (sharing the interpreter's lock with the reads) or in a child
+    process (sharing only the machine's memory traffic)."""
+
+    def __init__(self, nbytes: int, process: bool):
+        ctx = multiprocessing.get_context("fork")
+        self._conn, theirs = ctx.Pipe() if process else multiprocessing.Pipe()
+        worker = ctx.Process if process else threading.Thread
+        self._worker = worker(target=_hash_batches, args=(theirs, nbytes), daemon=True)
+        self._worker.start()
+        self._busy = False
+
+    def batch(self, sizes: list[int]) -> None:
+        """Hash a batch of pieces once the previous batch is hashed."""
+        self.wait()
+        self._conn.send(sizes)
+        self._busy = True
+
+    def wait(self) -> None:
+        if self._busy:
+            self._conn.recv()
+            self._busy = False
+
+    def close(self) -> None:
+        self.wait()
+        self._conn.send(None)
+        self._worker.join()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -100,6 +151,8 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
         for _ in range(args.ring)
     ]
     loader = Loader(ds.path, max_tokens=MAX_TOKENS, seed=0, num_threads=1, prefetch=2)
+    unverified = Loader(ds.path, max_tokens=MAX_TOKENS, seed=0, num_threads=1, prefetch=2,
+                        verify_reads=False)  # fmt: skip
     # Each sample's bytes in the state files: uncompressed, all layers in one chunk, a sample's
     # rows sit back to back but for a 4-byte crc32c after each chunk, so read them whole from
     # the first row (the junk crc bytes cost a few bytes more than the sample).
@@ -139,14 +192,19 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
             os.preadv(fd, [dst], offset)
             xxhash.xxh3_64(dst).intdigest()
 
-    def raw_ring() -> None:
+    def raw_ring(hash_: bool = True, beside: BesideHasher | None = None) -> None:
         for j, batch in enumerate(plan_positions()):
             buf = ring_bytes[j % len(ring)]
             for i, first in batch:
                 fd, offset, n = where[i]
                 dst = memoryview(buf[first * rb : first * rb + n])
                 os.preadv(fd, [dst], offset)
-                xxhash.xxh3_64(dst).intdigest()
+                if hash_:
+                    xxhash.xxh3_64(dst).intdigest()
+            if beside is not None:
+                beside.batch([where[i][2] for i, _ in batch])
+        if beside is not None:
+            beside.wait()
 
     def seq_one() -> None:
         for i, t in enumerate(lens):
@@ -166,30 +224,41 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
             ds.read_hidden_many_into(ring[j % len(ring)].view(MAX_TOKENS, len(ds.layers), -1),
                                      batch)  # fmt: skip
 
-    def loader_epoch() -> None:
-        loader.set_epoch(epoch[0])
+    def loader_epoch(which: Loader = loader) -> None:
+        which.set_epoch(epoch[0])
         epoch[0] += 1
-        for _ in loader:
+        for _ in which:
             pass
 
     cases = {
         "raw, one buffer": raw_one,
         "raw, batch ring": raw_ring,
+        "raw without XXH3, batch ring": lambda: raw_ring(hash_=False),
+        "  + XXH3 on a thread": lambda: raw_ring(hash_=False, beside=on_thread),
+        "  + XXH3 in a process": lambda: raw_ring(hash_=False, beside=in_process),
         "read_hidden_into, one buffer": seq_one,
         "read_hidden_into, batch ring": seq_ring,
         "read_hidden_many_into, batch ring": many_ring,
         "loader": loader_epoch,
+        "loader, verify_reads=False": lambda: loader_epoch(unverified),
     }
+    # The hashers hash the bytes of one batch at most, of memory of their own.
+    on_thread = BesideHasher(MAX_TOKENS * rb, process=False)
+    in_process = BesideHasher(MAX_TOKENS * rb, process=True)
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn in cases.values():  # warm: page cache, ring, imports
         fn()
         loader.close()
+        unverified.close()
     for r in range(args.rounds):
         for name in list(cases) if r % 2 == 0 else list(cases)[::-1]:
             t0 = time.perf_counter()
             cases[name]()
             times[name].append(time.perf_counter() - t0)
             loader.close()  # every loader epoch starts from an idle pipeline
+            unverified.close()
+    on_thread.close()
+    in_process.close()
     rates = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     base = rates["read_hidden_into, one buffer"]
     print(f"{len(ds)} samples, {sum(lens)} tokens, {nbytes / 1e6:.0f} MB; ring of {args.ring} "
