@@ -31,7 +31,7 @@ from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
 from hsstore.joined_index import JoinedIndex
 from hsstore.sample import Sample
-from hsstore.sample_checks import check_sample, sample_errors, token_columns
+from hsstore.sample_checks import check_sample, raise_as_sample_error, sample_errors, token_columns
 from hsstore.segment import SegmentReader
 from hsstore.segment_set import LoadedSegments, load_segments
 from hsstore.stats import LayerStats, merge_layer_stats
@@ -443,16 +443,16 @@ class Dataset:
     def check_decoded(self, out: torch.Tensor, unchecked: Iterable[tuple[int, int]]) -> None:
         """Verify the sample checksums that `read_hidden_many_into` left to the caller: sample
         ``i`` decoded into ``out[row:]`` for each ``(i, row)`` of ``unchecked``."""
-        np_out = storage_view(out)
+        np_out, index, ids = storage_view(out), self._index, self.sample_ids
         for i, first in unchecked:
-            reader = self._readers[self._index.segment[i]]
-            row, n = int(self._index.row[i]), int(self._index.len[i])
-            where = (self.storage, reader, self.sample_ids[i])
-            with sample_errors(*where):
+            reader = self._readers[index.segment[i]]
+            row, n = int(index.row[i]), int(index.len[i])
+            try:
                 hasher = xxhash.xxh3_64(np_out[first : first + n])
-                check_sample(
-                    hasher, token_columns(reader, row, n), int(self._index.checksum[i]), *where
-                )
+                columns = token_columns(reader, row, n)
+                check_sample(hasher, columns, int(index.checksum[i]), self.storage, reader, ids[i])
+            except (HsstoreError, OSError) as exc:
+                raise_as_sample_error(exc, self.storage, reader, ids[i])
 
     # -- writing -------------------------------------------------------------------------------
     def writer(

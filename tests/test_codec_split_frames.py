@@ -60,6 +60,25 @@ def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
     assert codec._split.decode_into(body, out, what="test") == own
 
 
+@pytest.mark.parametrize("name", ["split-zstd", "blosc-zstd"])
+def test_c_blosc_decodes_from_and_into_any_buffer(name):
+    """c-blosc is handed the buffers' addresses: a frame held read-only (bytes, as object
+    storage returns them) or writable at an offset (a read stage's memory), decoded into a numpy
+    array or a memoryview, always gives the chunk."""
+    codec = ChunkCodec(CodecConfig(name=name), 2)
+    chunk = chunk_of("lossless", 64, 4096)  # 512 KiB: past the own decoder, to c-blosc
+    encoded = frame(codec, chunk)
+    held = np.zeros(len(encoded) + 7, np.uint8)
+    held[7:] = np.frombuffer(encoded, np.uint8)
+    for source in (memoryview(encoded), memoryview(bytearray(encoded)), memoryview(held)[7:]):
+        for out in (
+            np.full(chunk.nbytes + 3, 0xAB, np.uint8)[3:],
+            memoryview(bytearray(chunk.nbytes)),
+        ):
+            codec.decode_into(source, out, what="test")
+            assert bytes(out) == chunk.tobytes()
+
+
 def test_threads_each_decode_with_their_own_context():
     codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
     chunks = [chunk_of(kind, 32, 384 + 64 * k) for k in range(6) for kind in ("lossless", "m2")]

@@ -48,10 +48,11 @@ def held_chunks(path: Path):
 
 
 def _chunks_in_memory(shards) -> list[memoryview]:
-    """Every chunk of ``shards`` (`held_chunks`), its shard file read into memory once."""
+    """Every chunk of ``shards`` (`held_chunks`), its shard file read into memory once (into
+    writable memory, as a loader's reads land)."""
     chunks = []
     for storage, key, ranges in shards:
-        data = memoryview(storage.read_bytes(key))
+        data = memoryview(bytearray(storage.read_bytes(key)))
         chunks += [data[o : o + n] for o, n in ranges]
     return chunks
 

@@ -194,6 +194,7 @@ class ChunkCodec:
             config.clevel, **zstd_params
         )
         self._local = threading.local()
+        self._compressed = config.compressed
         split = config.name == "split-zstd" and itemsize == 2 and sys.byteorder == "little"
         self._split = _SplitDecoder() if split else None
 
@@ -298,7 +299,7 @@ class ChunkCodec:
             raise IntegrityError("chunk is shorter than its checksum", path=what)
         else:
             body = encoded[:-4]
-        if self.config.compressed:
+        if self._compressed:
             if len(body) < _BLOSC_HEADER.size:
                 raise IntegrityError("chunk is shorter than a blosc header", path=what)
             _, _, _, _, decoded, _, cbytes = _BLOSC_HEADER.unpack_from(body)
@@ -329,17 +330,19 @@ class ChunkCodec:
         for malformed input), so damage then surfaces as a decode error or a sample checksum
         mismatch.
         """
-        body = self.check(encoded, len(out), what=what, crc=crc)
-        if self._split is not None and self._split.decode_into(body, out, what=what):
+        nbytes = len(out)
+        body = self.check(encoded, nbytes, what=what, crc=crc)
+        if (
+            self._split is not None
+            and nbytes <= _OWN_DECODE_MAX_BYTES
+            and self._split.decode_into(body, out, what=what)
+        ):
             return
-        if self.config.compressed:
+        if self._compressed:
             # `check` made sure the frame's sizes match ``body`` and ``out``, so c-blosc reads
             # and writes inside them.
-            dst = np.frombuffer(out, np.uint8)
-            got = _blosc_decompress_ctx(
-                np.frombuffer(body, np.uint8).ctypes.data, dst.ctypes.data, dst.nbytes, 1
-            )
-            if got != dst.nbytes:
+            got = _blosc_decompress_ctx(_address(body), _address(out), nbytes, 1)
+            if got != nbytes:
                 raise IntegrityError(f"chunk does not decode (blosc error {got})", path=what)
         else:
             out[:] = body
@@ -438,6 +441,16 @@ def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bo
     ~0.4 s per GB), while a stream holding padding zeros or few distinct values is coded."""
     probe = np.ascontiguousarray(stream[:: max(1, stream.nbytes // _PROBE_BYTES)])
     return len(zstd.compress(probe)) < probe.nbytes - probe.nbytes // 16
+
+
+def _address(buf: Any) -> int:
+    """The address of a C-contiguous buffer's first byte, for a ctypes call: through ctypes'
+    own view of it where it is writable (a fifth of what numpy's ``.ctypes`` costs, paid twice
+    per chunk), else through numpy."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):  # read-only (bytes from object storage), or empty
+        return np.frombuffer(buf, np.uint8).ctypes.data
 
 
 def check_crc(encoded: memoryview, *, what: str) -> memoryview:

@@ -449,7 +449,7 @@ def _publish_via_temp(
 def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> int:
     """`preadv` until the buffers are full or the file ends (a read may return short after a
     signal or under memory pressure); returns the bytes read."""
-    want = sum(len(b) for b in buffers)
+    want = sum(map(len, buffers))
     done = os.preadv(fd, buffers, offset)
     while 0 < done < want:
         rest, skip = [], done

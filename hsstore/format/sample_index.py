@@ -44,9 +44,10 @@ def finish_checksum(
     loss_mask: np.ndarray,
     scales: np.ndarray | None = None,
 ) -> int:
-    """Finish a sample checksum from a hasher that has seen its states bytes."""
-    hasher.update(memoryview(np.ascontiguousarray(input_ids)).cast("B"))
-    hasher.update(memoryview(np.ascontiguousarray(loss_mask)).cast("B"))
+    """Finish a sample checksum from a hasher that has seen its states bytes (the columns'
+    bytes as stored: a C-contiguous array hashes as its raw bytes)."""
+    hasher.update(np.ascontiguousarray(input_ids))
+    hasher.update(np.ascontiguousarray(loss_mask))
     if scales is not None:
-        hasher.update(memoryview(np.ascontiguousarray(scales)).cast("B"))
+        hasher.update(np.ascontiguousarray(scales))
     return hasher.intdigest()
