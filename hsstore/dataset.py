@@ -278,10 +278,11 @@ class Dataset:
         layer_list = self._check_layers(layers)
         index = self._index
         pos = index.positions(positions)
-        segment, row, num_tokens = index.segment[pos], index.row[pos], index.len[pos]
+        segment, start = index.segment[pos], index.row[pos]
+        stop = start + index.len[pos]
         for seg in np.unique(segment).tolist():
-            starts, n = row[segment == seg], num_tokens[segment == seg]
-            self._readers[seg].will_read_rows(starts, starts + n, layer_list, stage=stage)
+            mine = segment == seg
+            self._readers[seg].will_read_rows(start[mine], stop[mine], layer_list, stage=stage)
 
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None

@@ -313,12 +313,12 @@ class SegmentReader:
         chunks = np.unique(np.arange(ends[-1]) - np.repeat(ends - counts - first, counts))
         wanted = range(self.manifest.num_layers) if layers is None else layers
         layer_chunks = sorted({layer // lpc for layer in wanted})
+        # Uncompressed rows are read as a sample needs them, not as whole chunks.
+        exact = stage and self.manifest.codec.compressed
         for shard in np.unique(chunks // cps).tolist():
             in_shard = chunks[chunks // cps == shard] - shard * cps
             key = self.key(paths.shard_relpath(shard))
             try:
-                # Uncompressed rows are read as a sample needs them, not as whole chunks.
-                exact = stage and self.manifest.codec.compressed
                 ranges = self.shard_index(shard).byte_ranges(
                     in_shard, layer_chunks, merge=not exact
                 )

@@ -85,9 +85,8 @@ class BesideHasher:
     process (sharing only the machine's memory traffic)."""
 
     def __init__(self, nbytes: int, process: bool):
-        ctx = multiprocessing.get_context("fork")
-        self._conn, theirs = ctx.Pipe() if process else multiprocessing.Pipe()
-        worker = ctx.Process if process else threading.Thread
+        self._conn, theirs = multiprocessing.Pipe()
+        worker = multiprocessing.get_context("fork").Process if process else threading.Thread
         self._worker = worker(target=_hash_batches, args=(theirs, nbytes), daemon=True)
         self._worker.start()
         self._busy = False

@@ -398,16 +398,14 @@ class _SplitDecoder:
         if at != len(body):
             return False
         context, scratch = self._thread_state(nbytes)
-        src = np.frombuffer(body, np.uint8)
+        src, at = np.frombuffer(body, np.uint8), _address(body)
         planes = []
         for b, (start, n) in enumerate(lengths):
             if n == half:
                 planes.append(src[start : start + n])
                 continue
             plane = scratch[b * half : (b + 1) * half]
-            got = _zstd_decompress_dctx(
-                context.pointer, plane.ctypes.data, half, src.ctypes.data + start, n
-            )
+            got = _zstd_decompress_dctx(context.pointer, _address(plane), half, at + start, n)
             if got != half:  # an error code (a huge size_t) or a short stream
                 raise IntegrityError("chunk does not decode (zstd stream)", path=what)
             planes.append(plane)
@@ -445,8 +443,8 @@ def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bo
 
 def _address(buf: Any) -> int:
     """The address of a C-contiguous buffer's first byte, for a ctypes call: through ctypes'
-    own view of it where it is writable (a fifth of what numpy's ``.ctypes`` costs, paid twice
-    per chunk), else through numpy."""
+    own view of it where it is writable (a fifth of what numpy's ``.ctypes`` costs, paid for
+    every chunk's input and output), else through numpy."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):  # read-only (bytes from object storage), or empty
