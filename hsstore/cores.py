@@ -11,3 +11,10 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def default_read_threads() -> int:
+    """Threads one sample's read may decode on: the usable cores, at most 4 (a sample's chunks
+    rarely keep more busy, and a caller running many reads at once keeps the cores busy itself).
+    """
+    return max(1, min(4, usable_cores()))

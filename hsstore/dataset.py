@@ -7,8 +7,9 @@ Writing goes through `hsstore.writer.Writer` (``ds.writer()``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 import xxhash
 
 from hsstore import fp8
-from hsstore.cores import usable_cores
+from hsstore.cores import default_read_threads
 from hsstore.errors import (
     BadInputError,
     HsstoreError,
@@ -31,8 +32,15 @@ from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
 from hsstore.joined_index import JoinedIndex
 from hsstore.sample import Sample
-from hsstore.sample_checks import check_sample, raise_as_sample_error, sample_errors, token_columns
+from hsstore.sample_checks import (
+    check_sample,
+    check_samples,
+    hand_off_as_sample,
+    sample_errors,
+    token_columns,
+)
 from hsstore.segment import SegmentReader
+from hsstore.segment_rows import ShardRun
 from hsstore.segment_set import LoadedSegments, load_segments
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
@@ -47,13 +55,6 @@ def open(
 ) -> Dataset:  # noqa: A001
     """Open the latest committed version (or ``version``) of a dataset at a path or URL."""
     return Dataset(path, version=version, verify_reads=verify_reads, read_threads=read_threads)
-
-
-def default_read_threads() -> int:
-    """Threads one sample's read may decode on: the usable cores, at most 4 (a sample's chunks
-    rarely keep more busy, and a caller running many reads at once keeps the cores busy itself).
-    """
-    return max(1, min(4, usable_cores()))
 
 
 class Dataset:
@@ -268,13 +269,11 @@ class Dataset:
         return out
 
     def will_read(
-        self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None,
-        stage: bool = False,
-    ) -> None:  # fmt: skip
+        self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None
+    ) -> None:
         """Samples about to be read (the loader hints its next batch while it decodes this
-        one): on local disk their chunks start coming in from the device now, and with
-        ``stage`` (one thread reads them next, in storage order) compressed chunks are read
-        into memory by the storage's own thread. A hint: it neither checks nor decodes."""
+        one): on local disk their chunks start coming in from the device now. A hint: it
+        neither checks nor decodes."""
         layer_list = self._check_layers(layers)
         index = self._index
         pos = index.positions(positions)
@@ -282,7 +281,7 @@ class Dataset:
         stop = start + index.len[pos]
         for seg in np.unique(segment).tolist():
             mine = segment == seg
-            self._readers[seg].will_read_rows(start[mine], stop[mine], layer_list, stage=stage)
+            self._readers[seg].will_read_rows(start[mine], stop[mine], layer_list)
 
     def read_hidden_into(
         self, i: int, out: torch.Tensor, *, layers: Sequence[int] | None = None
@@ -303,6 +302,7 @@ class Dataset:
         *,
         layers: Sequence[int] | None = None,
         unchecked: list[tuple[int, int]] | None = None,
+        runs_to: Callable[[ShardRun], None] | None = None,
     ) -> int:
         """Decode whole samples into the token rows of ``out`` ([R, len(layers), H], contiguous
         CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
@@ -311,7 +311,8 @@ class Dataset:
         The same bytes and checks as `read_hidden_into` per sample, the checks of ``out`` done
         once. ``placed`` is drawn a pair at a time, as each read is done, so threads drawing
         from one shared queue split a batch between them. With an ``unchecked`` list, sample
-        checksums are left to `check_decoded`: ``(position, row)`` is appended for each."""
+        checksums are left to `check_decoded`, ``(position, row)`` appended for each (and with
+        ``runs_to``, compressed chunks are read and decoded there: `SegmentReader.read_rows`)."""
         layer_list = self._check_layers(layers)
         values = self._check_out(out, layer_list, None, values_ok=True)
         np_out = None if values else storage_view(out)
@@ -328,7 +329,9 @@ class Dataset:
             if np_out is None:
                 self._read_into(i, layer_list, out[first : first + n], values)
             else:
-                self._decode(i, layer_list, np_out[first : first + n], deferred=defer)
+                self._decode(
+                    i, layer_list, np_out[first : first + n], deferred=defer, runs_to=runs_to
+                )
             if defer:
                 unchecked.append((i, first))  # type: ignore[union-attr]
             done += 1
@@ -420,6 +423,7 @@ class Dataset:
         columns: bool = False,
         threads: int = 1,
         deferred: bool = False,
+        runs_to: Callable[[ShardRun], None] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
         sample checksum when reads are verified and all layers are read, unless the caller
@@ -434,7 +438,9 @@ class Dataset:
         cols: tuple[np.ndarray, np.ndarray, np.ndarray | None] = (_NO_ROWS, _NO_ROWS, None)
         where = (self.storage, reader, self.sample_ids[i])
         with sample_errors(*where):
-            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc, threads=threads)
+            hand_off = runs_to and functools.partial(hand_off_as_sample, runs_to, where)
+            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc,
+                             threads=threads, runs_to=hand_off)  # fmt: skip
             if columns or hasher is not None:
                 cols = token_columns(reader, row, n)
             if hasher is not None:
@@ -444,16 +450,7 @@ class Dataset:
     def check_decoded(self, out: torch.Tensor, unchecked: Iterable[tuple[int, int]]) -> None:
         """Verify the sample checksums that `read_hidden_many_into` left to the caller: sample
         ``i`` decoded into ``out[row:]`` for each ``(i, row)`` of ``unchecked``."""
-        np_out, index, ids = storage_view(out), self._index, self.sample_ids
-        for i, first in unchecked:
-            reader = self._readers[index.segment[i]]
-            row, n = int(index.row[i]), int(index.len[i])
-            try:
-                hasher = xxhash.xxh3_64(np_out[first : first + n])
-                columns = token_columns(reader, row, n)
-                check_sample(hasher, columns, int(index.checksum[i]), self.storage, reader, ids[i])
-            except (HsstoreError, OSError) as exc:
-                raise_as_sample_error(exc, self.storage, reader, ids[i])
+        check_samples(storage_view(out), unchecked, self._index, self._readers, self.sample_ids)
 
     # -- writing -------------------------------------------------------------------------------
     def writer(

@@ -5,7 +5,7 @@ to a thread of its own (`Dataset.check_decoded`, the loader's checker)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -15,7 +15,9 @@ from hsstore.errors import HsstoreError, IntegrityError, StorageError
 from hsstore.format import paths
 from hsstore.format.sample_index import finish_checksum
 from hsstore.format.store import Storage
+from hsstore.joined_index import JoinedIndex
 from hsstore.segment import SegmentReader
+from hsstore.segment_rows import ShardRun
 from hsstore.segment_set import is_damage
 
 
@@ -47,6 +49,17 @@ def raise_as_sample_error(
     ) from exc
 
 
+def hand_off_as_sample(
+    runs_to: Callable[[ShardRun], None],
+    where: tuple[Storage, SegmentReader, str],
+    run: ShardRun,
+) -> None:
+    """Hand ``run`` (of the sample ``where`` names) on to ``runs_to``, to be decoded there:
+    its errors are still raised as the sample's (`raise_as_sample_error`)."""
+    run.report = lambda exc: raise_as_sample_error(exc, *where)
+    runs_to(run)
+
+
 def token_columns(
     reader: SegmentReader, row: int, n: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -73,3 +86,23 @@ def check_sample(
             path=storage.path_of(paths.segment_dir(reader.info.id)),
             sample_id=sample_id,
         )
+
+
+def check_samples(
+    decoded: np.ndarray,
+    unchecked: Iterable[tuple[int, int]],
+    index: JoinedIndex,
+    readers: Sequence[SegmentReader],
+    sample_ids: Sequence[str],
+) -> None:
+    """Verify the checksum of each sample ``i`` decoded into ``decoded[row:]`` (the storage
+    view of a batch's rows) for each ``(i, row)`` of ``unchecked``: one loop, one ``except``."""
+    for i, first in unchecked:
+        reader = readers[index.segment[i]]
+        row, n = int(index.row[i]), int(index.len[i])
+        try:
+            hasher = xxhash.xxh3_64(decoded[first : first + n])
+            check_sample(hasher, token_columns(reader, row, n), int(index.checksum[i]),
+                         reader.storage, reader, sample_ids[i])  # fmt: skip
+        except (HsstoreError, OSError) as exc:
+            raise_as_sample_error(exc, reader.storage, reader, sample_ids[i])

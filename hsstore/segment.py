@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -26,7 +26,7 @@ from hsstore.format.manifest import Manifest, SegmentInfo
 from hsstore.format.sample_index import INDEX_SCHEMA
 from hsstore.format.segment_layout import CRC_BYTES, ShardIndex, decode_column
 from hsstore.format.store import Storage
-from hsstore.segment_rows import RowsRead, read_raw_rows
+from hsstore.segment_rows import RowsRead, ShardRun, read_raw_rows
 
 # A sample's read is split between threads only where each share decodes at least this much:
 # handing a share to a pool thread costs tens of microseconds, a MiB decodes in about 0.5 ms.
@@ -247,6 +247,7 @@ class SegmentReader:
         hasher: xxhash.xxh3_64 | None = None,
         crc: bool | None = None,
         threads: int = 1,
+        runs_to: Callable[[ShardRun], None] | None = None,
     ) -> None:
         """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
 
@@ -259,6 +260,10 @@ class SegmentReader:
         ``threads`` > 1: compressed rows of all layers are cut into up to that many shares of
         whole chunks (at least `PARALLEL_MIN_BYTES` of decoded bytes each), decoded at once,
         the first by this thread, so one read of a large sample keeps several cores decoding.
+
+        ``runs_to`` (without a ``hasher``): compressed chunks are planned here, shard by shard,
+        and each `ShardRun` handed to it to read and decode elsewhere (a loader's pipeline):
+        ``out`` is filled once it has. Uncompressed rows are still read here.
         """
         man = self.manifest
         layout = man.layout
@@ -273,7 +278,7 @@ class SegmentReader:
             return
         if crc is None:
             crc = hasher is None
-        if threads > 1 and whole_rows:
+        if threads > 1 and whole_rows and runs_to is None:
             shares = self._shares(start, stop, threads)
             if len(shares) > 1:
                 self._read_shares(shares, out, out_bytes, hasher, crc)
@@ -286,7 +291,10 @@ class SegmentReader:
         c, last = start // rpc, (stop - 1) // rpc
         while c <= last:  # shard by shard
             end = min(last, (c // cps + 1) * cps - 1)
-            read.decode_chunks(c, end)
+            if runs_to is None or hasher is not None:  # the hasher takes rows as they land
+                read.decode_chunks(c, end)
+            else:
+                runs_to(read.plan(c, end))
             c = end + 1
 
     def will_read_rows(
@@ -294,14 +302,10 @@ class SegmentReader:
         starts: np.ndarray,
         stops: np.ndarray,
         layers: Sequence[int] | None,
-        *,
-        stage: bool = False,
     ) -> None:
         """Rows [starts[k], stops[k]) of the given stored layers (None: all) are about to be
         read: hand the storage the bytes of their chunks, shard by shard, so that reads from
-        disk are under way before the decoding gets to them (`Storage.will_read`); with
-        ``stage``, compressed chunks (read whole) one range each, for the storage to read
-        into memory ahead."""
+        disk are under way before the decoding gets to them (`Storage.will_read`)."""
         if not len(starts):
             return
         layout = self.manifest.layout
@@ -313,16 +317,12 @@ class SegmentReader:
         chunks = np.unique(np.arange(ends[-1]) - np.repeat(ends - counts - first, counts))
         wanted = range(self.manifest.num_layers) if layers is None else layers
         layer_chunks = sorted({layer // lpc for layer in wanted})
-        # Uncompressed rows are read as a sample needs them, not as whole chunks.
-        exact = stage and self.manifest.codec.compressed
         for shard in np.unique(chunks // cps).tolist():
             in_shard = chunks[chunks // cps == shard] - shard * cps
             key = self.key(paths.shard_relpath(shard))
             try:
-                ranges = self.shard_index(shard).byte_ranges(
-                    in_shard, layer_chunks, merge=not exact
-                )
-                self.storage.will_read(key, ranges, stage=exact)
+                ranges = self.shard_index(shard).byte_ranges(in_shard, layer_chunks)
+                self.storage.will_read(key, ranges)
             except (HsstoreError, OSError):
                 continue  # a hint fails nothing: the read that needs these bytes reports it
 

@@ -4,12 +4,13 @@ compressed chunk by chunk or, uncompressed, straight into the caller's buffer.""
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import NoReturn, Protocol
 
 import numpy as np
 import xxhash
 
-from hsstore.errors import IntegrityError
+from hsstore.errors import HsstoreError, IntegrityError
 from hsstore.format import paths
 from hsstore.format.codecs import ChunkCodec
 from hsstore.format.damage import read_io, read_ranges_io
@@ -140,10 +141,10 @@ class RowsRead:
                 return k if cached in ((*key, True), (*key, self.crc)) else -1
         return -1
 
-    def decode_chunks(self, first: int, last: int) -> None:
-        """Row chunks ``first..last``, all in one shard."""
-        reader, rpc, start, stop = self.reader, self.rpc, self.start, self.stop
-        man = reader.manifest
+    def plan(self, first: int, last: int) -> ShardRun:
+        """Row chunks ``first..last``, all in one shard, planned: which bytes to read and
+        where each chunk lands, checked against the shard's index."""
+        reader = self.reader
         shard = first // self.cps
         base = shard * self.cps
         key = reader.key(paths.shard_relpath(shard))
@@ -154,22 +155,98 @@ class RowsRead:
                 raise IntegrityError(
                     f"chunk ({base + local}, {j}) of committed rows is missing", path=where
                 )
-        reuse = self._reusable(plan, base)
-        views = read_ranges_io(
-            reader.storage,
-            key,
-            [(offset, nbytes) for k, (_, _, offset, nbytes) in enumerate(plan) if k != reuse],
-        )
-        last_j = plan[-1][1]
+        return ShardRun(self, key, where, base, plan, plan[-1][1])
+
+    def decode_chunks(self, first: int, last: int) -> None:
+        """Row chunks ``first..last``, all in one shard, read and decoded here."""
+        run = self.plan(first, last)
+        reuse = self._reusable(run.plan, run.base)
+        ranges = run.ranges
+        if reuse >= 0:
+            del ranges[reuse]
+        views = read_ranges_io(self.reader.storage, run.key, ranges)
+        run.decode(views, reuse)
+        for _ in views:  # none left: this ends the read, and the storage releases what it held
+            pass
+
+
+class ShardRun:
+    """The chunks one `RowsRead` wants of one shard, planned apart from their bytes, so that
+    one thread may read them (``ranges``) while another decodes them (`decode`)."""
+
+    __slots__ = ("read", "key", "where", "base", "plan", "last_j", "report")
+
+    def __init__(
+        self,
+        read: RowsRead,
+        key: str,
+        where: str,
+        base: int,
+        plan: list[tuple[int, int, int, int]],
+        last_j: int,
+    ):
+        self.read, self.key, self.where, self.base = read, key, where, base
+        self.plan, self.last_j = plan, last_j  # (local row chunk, layer chunk, offset, nbytes)
+        # How a failed decode is raised when it runs apart from the read that planned it (the
+        # dataset's reader sets it, so that the error names the sample).
+        self.report: Callable[[HsstoreError | OSError], NoReturn] | None = None
+
+    @property
+    def storage(self) -> Storage:
+        return self.read.reader.storage
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """The (offset, nbytes) of each planned chunk, in order."""
+        return [(offset, nbytes) for _, _, offset, nbytes in self.plan]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for *_, nbytes in self.plan)
+
+    def split(self, max_bytes: int) -> list[ShardRun]:
+        """This run cut into runs of consecutive chunks of at most ``max_bytes`` each (a chunk
+        larger than that alone)."""
+        parts: list[ShardRun] = []
+        lo, size = 0, 0
+        for k, (*_, nbytes) in enumerate(self.plan):
+            if k > lo and size + nbytes > max_bytes:
+                parts.append(self._part(lo, k))
+                lo, size = k, 0
+            size += nbytes
+        parts.append(self._part(lo, len(self.plan)))
+        return parts
+
+    def _part(self, lo: int, hi: int) -> ShardRun:
+        part = ShardRun(self.read, self.key, self.where, self.base, self.plan[lo:hi], self.last_j)
+        part.report = self.report
+        return part
+
+    def decode(self, views: Iterator[memoryview], reuse: int = -1) -> None:
+        """Decode the planned chunks from ``views`` (their bytes, in order; none for entry
+        ``reuse``, which this thread's scratch holds decoded)."""
+        if self.report is None:
+            return self._decode(views, reuse)
+        try:
+            return self._decode(views, reuse)
+        except (HsstoreError, OSError) as exc:
+            self.report(exc)
+
+    def _decode(self, views: Iterator[memoryview], reuse: int) -> None:
+        read = self.read
+        man = read.reader.manifest
+        rpc, start, stop, where, base, last_j = (
+            read.rpc, read.start, read.stop, self.where, self.base, self.last_j
+        )  # fmt: skip
         flat, rb, whole_rows, hasher, crc = (
-            self.flat,
-            self.rb,
-            self.whole_rows,
-            self.hasher,
-            self.crc,
+            read.flat,
+            read.rb,
+            read.whole_rows,
+            read.hasher,
+            read.crc,
         )
-        decode = reader.codec.decode_into
-        for k, (local, j, _, nbytes) in enumerate(plan):
+        decode = read.reader.codec.decode_into
+        for k, (local, j, _, nbytes) in enumerate(self.plan):
             c = base + local
             crow0 = c * rpc
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
@@ -183,7 +260,7 @@ class RowsRead:
                     dst = placed
                 else:
                     _THREAD_SCRATCH.decoded = None
-                    dst = scratch("chunk", self.chunk_nbytes)
+                    dst = scratch("chunk", read.chunk_nbytes)
                 try:
                     # The sample checksum, when it is verified, covers the decoded bytes: the
                     # chunk crc would check the same bytes a second time.
@@ -191,16 +268,14 @@ class RowsRead:
                 except IntegrityError as exc:
                     raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
                 if not whole:
-                    _THREAD_SCRATCH.decoded = (reader, c, j, crc)
+                    _THREAD_SCRATCH.decoded = (read.reader, c, j, crc)
             if not whole:
-                chunk = np.frombuffer(scratch("chunk", self.chunk_nbytes), man.storage_dtype)
-                rows = chunk.reshape(rpc, self.lpc, man.hidden_size)[lo - crow0 : hi - crow0]
+                chunk = np.frombuffer(scratch("chunk", read.chunk_nbytes), man.storage_dtype)
+                rows = chunk.reshape(rpc, read.lpc, man.hidden_size)[lo - crow0 : hi - crow0]
                 if whole_rows:
-                    self.out[lo - start : hi - start] = rows
+                    read.out[lo - start : hi - start] = rows
                 else:
-                    for pos, within in self.by_chunk[j]:
-                        self.out[lo - start : hi - start, pos] = rows[:, within]
+                    for pos, within in read.by_chunk[j]:
+                        read.out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None and j == last_j:
                 hasher.update(placed)
-        for _ in views:  # none left: this ends the read, and the storage releases what it held
-            pass

@@ -85,8 +85,8 @@ class DecodeCounter:
                     self._done(1)
                 yield pair
 
-        def counting_many(out, placed, layers, unchecked=None):
-            n = read_many(out, drawn(placed), layers, unchecked)
+        def counting_many(out, placed, layers, unchecked=None, runs_to=None):
+            n = read_many(out, drawn(placed), layers, unchecked, runs_to)
             self._done(1 if n else 0)
             return n
 

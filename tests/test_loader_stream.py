@@ -387,15 +387,15 @@ class _DecodeSpy:
                 self.reads.append(i)
                 yield i, row
 
-        def reading_many(out, placed, layers, unchecked=None):
-            return read_many(out, drawn(placed), layers, unchecked)
+        def reading_many(out, placed, layers, unchecked=None, runs_to=None):
+            return read_many(out, drawn(placed), layers, unchecked, runs_to)
 
         loader.source.read_hidden_many_into = reading_many  # type: ignore[method-assign]
         claimed = BatchFetcher._decode_claimed
 
-        def counting(fetcher, rows, todo, unchecked):
+        def counting(fetcher, rows, todo, unchecked, runs_to=None):
             self.tasks += 1
-            claimed(fetcher, rows, todo, unchecked)
+            claimed(fetcher, rows, todo, unchecked, runs_to)
 
         monkeypatch.setattr(BatchFetcher, "_decode_claimed", counting)
 

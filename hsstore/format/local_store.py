@@ -21,7 +21,6 @@ from pathlib import Path
 
 from hsstore.errors import FormatError, NotADatasetError
 from hsstore.format import read_ahead
-from hsstore.format.read_stage import ReadStage
 from hsstore.format.store import TEMP_PREFIX, ObjectInfo, Storage, holds
 
 # A run of ranges read with one `preadv`: at most this many bytes (then the next run), at
@@ -57,7 +56,6 @@ class LocalStorage(Storage):
         self._fd_lock = threading.Lock()
         self._max_open = max_open_files
         self._pid = os.getpid()
-        self._stage: ReadStage | None = None  # made on the first hint with ``stage``
 
     def _abs(self, key: str) -> str:
         return os.path.join(self.root, key)
@@ -110,43 +108,9 @@ class LocalStorage(Storage):
         back. Otherwise each range is read into a buffer of this thread's, reused for the next
         range: a view is valid until the next one is asked for or the read ends. Ranges not
         yet in the page cache are asked of the disk ahead of their use (`read_hints`)."""
-        stage = self._stage
-        if stage is not None and stage.may_hold(key) and stage.pid == os.getpid():
-            return self._read_via_stage(stage, key, ranges, into)
         if into is not None:
             return self._read_into(key, ranges, into)
         return self._read_staged(key, ranges)
-
-    def _read_via_stage(
-        self,
-        stage: ReadStage,
-        key: str,
-        ranges: Sequence[tuple[int, int]],
-        into: Sequence[memoryview] | None,
-    ) -> Iterator[memoryview]:
-        """Each range from the read stage where it holds it, else read here."""
-        for k, (offset, nbytes) in enumerate(ranges):
-            view = stage.take(key, offset, nbytes)
-            if view is None:
-                if into is None:
-                    yield from self._read_staged(key, ranges[k : k + 1])
-                else:
-                    yield from self._read_into(key, ranges[k : k + 1], into[k : k + 1])
-                continue
-            if into is None:
-                yield view  # valid until the next is asked for: then it is reused
-                stage.give_back(view)
-            else:
-                into[k][:nbytes] = view
-                stage.give_back(view)
-                yield into[k][:nbytes]
-
-    def _read_many(
-        self, key: str, ranges: list[tuple[int, int]], into: list[memoryview]
-    ) -> list[int]:
-        """Fill each buffer of ``into`` from its range of ``key``; the bytes each got (the read
-        stage's reads)."""
-        return [len(view) for view in self._read_into(key, ranges, into)]
 
     def _read_staged(self, key: str, ranges: Sequence[tuple[int, int]]) -> Iterator[memoryview]:
         if not ranges:
@@ -225,19 +189,9 @@ class LocalStorage(Storage):
         finally:
             self._release_fd(key, fd)
 
-    def will_read(
-        self, key: str, ranges: Sequence[tuple[int, int]], *, stage: bool = False
-    ) -> None:
-        """Start reading the ranges not yet in the page cache from disk now, all at once; with
-        ``stage``, also read them into memory on a thread of their own (`ReadStage`)."""
-        if not ranges:
-            return
-        if stage:
-            with self._fd_lock:  # a forked child starts a stage of its own
-                if self._stage is None or self._stage.pid != os.getpid():
-                    self._stage = ReadStage(self._read_many)
-            self._stage.hint(key, ranges)
-        if self.read_hints == "none":
+    def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Start reading the ranges not yet in the page cache from disk now, all at once."""
+        if not ranges or self.read_hints == "none":
             return
         fd = self._open_fd(key)
         try:
@@ -328,8 +282,6 @@ class LocalStorage(Storage):
 
     def close(self) -> None:
         """Close idle descriptors; ones in use are closed by their last reader."""
-        if self._stage is not None and self._stage.pid == os.getpid():
-            self._stage.close()
         with self._fd_lock:
             if self._pid == os.getpid():
                 for fd, users in self._fds.values():

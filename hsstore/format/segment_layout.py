@@ -97,18 +97,17 @@ class ShardIndex:
         ]
 
     def byte_ranges(
-        self, locals_: np.ndarray, layer_chunks: Sequence[int], *, merge: bool = True
+        self, locals_: np.ndarray, layer_chunks: Sequence[int]
     ) -> list[tuple[int, int]]:
         """The (offset, nbytes) ranges of the given row chunks' (local to the shard) and layer
-        chunks' bytes, one per chunk or, with ``merge``, merged where they lie back to back;
-        chunks never written are left out."""
+        chunks' bytes, merged where they lie back to back; chunks never written are left out."""
         ranges: list[tuple[int, int]] = []
         for row in self.entries[locals_].tolist():
             for j in layer_chunks:
                 offset, nbytes = row[j]
                 if offset == EMPTY:
                     continue  # reported by the read itself
-                if merge and ranges and ranges[-1][0] + ranges[-1][1] == offset:
+                if ranges and ranges[-1][0] + ranges[-1][1] == offset:
                     ranges[-1] = (ranges[-1][0], ranges[-1][1] + nbytes)
                 else:
                     ranges.append((offset, nbytes))

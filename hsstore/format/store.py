@@ -64,14 +64,10 @@ class Storage(abc.ABC):
         buffers, and the part of each buffer filled is what comes back. Drop or exhaust the
         iterator when done: the backend then releases what the read held."""
 
-    def will_read(
-        self, key: str, ranges: Sequence[tuple[int, int]], *, stage: bool = False
-    ) -> None:
-        """A hint: these (offset, nbytes) ranges of the object are read soon. With ``stage``,
-        one thread reads exactly these ranges next, in this order, after those hinted before.
-        A backend may start fetching them now (with ``stage``, into memory of its own, on
-        another thread); it never changes what a read returns, and a failed hint fails nothing
-        (the read that follows reports what is wrong)."""
+    def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """A hint: these (offset, nbytes) ranges of the object are read soon. A backend may
+        start fetching them now; it never changes what a read returns, and a failed hint fails
+        nothing (the read that follows reports what is wrong)."""
         return None
 
     @abc.abstractmethod

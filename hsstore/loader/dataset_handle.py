@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +26,7 @@ from hsstore.format import paths, tiers
 from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
+from hsstore.segment_rows import ShardRun
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class DatasetSource:
         self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else man.torch_dtype
         self.stored_dtype = man.torch_dtype
         self.tier = man.tier
+        self.compressed = man.codec.compressed
         self.data_fingerprint = _data_fingerprint(index)
         self.dataset_id = man.dataset_id
         # A dataset object opened with another verify setting is reopened on first read.
@@ -174,10 +176,10 @@ class DatasetSource:
         picked = tiers.scales_for_layers(scales, None if layers == self._all_layers else layers)
         return torch.from_numpy(np.ascontiguousarray(picked).reshape(len(scales), -1))
 
-    def will_read(self, positions: np.ndarray, layers: list[int], stage: bool = False) -> None:
+    def will_read(self, positions: np.ndarray, layers: list[int]) -> None:
         """The samples of a batch about to be decoded (`Dataset.will_read`)."""
         whole = layers == self._all_layers
-        self.ds.will_read(positions, layers=None if whole else layers, stage=stage)
+        self.ds.will_read(positions, layers=None if whole else layers)
 
     def read_hidden_into(self, i: int, out: torch.Tensor, layers: list[int]) -> None:
         """Decode sample ``i``'s ``layers`` into ``out`` [T, len(layers), H].
@@ -194,13 +196,15 @@ class DatasetSource:
         placed: Iterable[tuple[int, int]],
         layers: list[int],
         unchecked: list[tuple[int, int]] | None = None,
+        runs_to: Callable[[ShardRun], None] | None = None,
     ) -> int:
         """Decode whole samples into token rows of ``out`` [R, len(layers), H]: sample ``i``
         at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``, their checksums left
-        to `check_decoded` when ``unchecked`` is given (`Dataset.read_hidden_many_into`)."""
+        to `check_decoded` when ``unchecked`` is given, their compressed chunks read and
+        decoded by ``runs_to`` when it is (`Dataset.read_hidden_many_into`)."""
         whole = layers == self._all_layers
         return self.ds.read_hidden_many_into(
-            out, placed, layers=None if whole else layers, unchecked=unchecked
+            out, placed, layers=None if whole else layers, unchecked=unchecked, runs_to=runs_to
         )
 
     def check_decoded(self, out: torch.Tensor, unchecked: list[tuple[int, int]]) -> None:

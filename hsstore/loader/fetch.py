@@ -8,23 +8,21 @@ on small samples a future, a thread wake-up and a GIL hand-off per sample cost a
 reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
 chunk that two neighbouring samples share is decoded once and files are read forwards. While
 they run, the producer writes the batch's padding and gathers all its token columns at once.
-With a single decode thread there is no pool: the producer decodes each batch itself, after
-its padding and token columns: handing every batch to another thread would overlap only that
-short work, and cost as much again in GIL hand-offs between the two threads.
+With a single decode thread there is no pool. Where a core is free besides it and the
+dataset is compressed, the producer reads each batch's chunks itself and a thread of their own
+decodes them (`ChunkPipeline`), so the decoding thread does nothing else; otherwise the
+producer decodes each batch itself, after its padding and token columns (handing whole batches
+to another thread would overlap only that short work, and cost as much again in GIL hand-offs).
 
-Where the decode threads leave a core free, two helpers take work off them. A checker thread
-verifies the whole-sample checksums of a batch while the next one decodes
-(`Dataset.check_decoded`); a batch reaches the consumer only once every sample in it passed.
-With one decode thread, the storage also reads the next batch's chunks into memory on a thread
-of its own (`Dataset.will_read` with ``stage``; on local disk, `ReadStage`), so the decode
-thread finds its input in memory rather than copying it out of the page cache. On cores the
-decode threads keep busy, neither pays: hashing right after decoding, while the bytes are in
-cache, costs less than hashing them again later. Padding is written
-only where a buffer may hold stale rows (``HostBuffers.clean_from``). Before a batch is
-decoded, the next one's samples are handed to the storage (`Dataset.will_read`): on local disk
-their chunks come in from the device while this batch decodes. At most ``prefetch``
-batches wait in the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers
-whatever the speed of the consumer.
+Where the decode threads leave a core free, a checker thread verifies the whole-sample
+checksums of a batch while the next one decodes (`Dataset.check_decoded`); a batch reaches the
+consumer only once every sample in it passed. On cores the decode threads keep busy it does not
+run: hashing right after decoding, while the bytes are in cache, costs less than hashing them
+again later. Padding is written only where a buffer may hold stale rows
+(``HostBuffers.clean_from``). Before a batch is decoded, the next one's samples are handed to
+the storage (`Dataset.will_read`): on local disk their chunks come in from the device while
+this batch decodes. At most ``prefetch`` batches wait in the output queue, so memory is bounded
+by ``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
@@ -38,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -51,6 +50,7 @@ import torch
 
 from hsstore.cores import usable_cores
 from hsstore.loader.batching import WAIT, padded_length
+from hsstore.loader.chunk_pipeline import ChunkPipeline, RunsTo
 from hsstore.loader.collate import (
     HostBuffers,
     Placements,
@@ -161,7 +161,13 @@ class BatchFetcher:
             if source.verify_reads and spare_core
             else None
         )
-        self._stage = spare_core and num_threads == 1
+        # One decode thread and a spare core: compressed chunks are read by the producer and
+        # decoded on a thread that does nothing else (`ChunkPipeline`).
+        self._pipeline = (
+            ChunkPipeline(self._stop)
+            if num_threads == 1 and spare_core and source.compressed
+            else None
+        )
         self._thread = threading.Thread(
             target=self._produce, args=(iter(batches),), name="hsstore-plan", daemon=True
         )
@@ -229,18 +235,22 @@ class BatchFetcher:
                         scales = self.source.read_scales_many(samples, tokens, self._layers)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask, scales)
                     if upcoming is not None and upcoming is not WAIT:  # its reads from disk
-                        self.source.will_read(upcoming[0], self._layers, self._stage)
+                        self.source.will_read(upcoming[0], self._layers)
                 except BaseException:
                     todo.clear()
                     raise
-                if self._pool is None:  # one decode thread: this one, with no hand-off
+                if self._pipeline is not None:  # read here, decoded on the pipeline's thread
+                    read = functools.partial(self._decode_claimed, tokens_rows, todo, unchecked)
+                    futures.append(self._pipeline.run_batch(read))
+                elif self._pool is None:  # one decode thread: this one, with no hand-off
                     self._decode_claimed(tokens_rows, todo, unchecked)
                 values = buf.values_view(b, t)
-                if values is not None and self._pool is None:
+                if values is not None and not futures:  # decoded here already
                     raw = dequantize_batch(raw, values)
                 elif values is not None:  # once the batch's decode tasks are done
                     decoded = list(futures)
-                    futures.append(self._pool.submit(self._dequantize_after, decoded, raw, values))
+                    executor = self._pool or self._pipeline.executor  # type: ignore[union-attr]
+                    futures.append(executor.submit(self._dequantize_after, decoded, raw, values))
                     raw = dataclasses.replace(raw, hidden=values, scales=None)
                 if unchecked is not None:  # the checker's, after the decode tasks
                     futures.append(
@@ -313,15 +323,16 @@ class BatchFetcher:
         tokens_rows: torch.Tensor,
         todo: deque[_Placed],
         unchecked: list[tuple[int, int]] | None,
+        runs_to: RunsTo | None = None,
     ) -> None:
         """Decode the samples claimed from ``todo`` into ``tokens_rows`` (the batch's states,
         ``[B * T, L', H]``) until none is left (``popleft`` is atomic, so the batch's tasks
         share the work without a lock) or the fetcher stops. Whole samples go through one
         `read_hidden_many_into` call per task (its checks and views paid once per batch), their
-        checksums left to the checker (``unchecked``)."""
+        checksums left to the checker (``unchecked``), their chunks to ``runs_to`` if given."""
         try:
             self.source.read_hidden_many_into(
-                tokens_rows, self._claim(tokens_rows, todo), self._layers, unchecked
+                tokens_rows, self._claim(tokens_rows, todo), self._layers, unchecked, runs_to
             )
         except BaseException:
             todo.clear()  # the batch is lost: its other tasks stop at their next claim
@@ -410,14 +421,13 @@ class BatchFetcher:
         self._free.put(None)
         with contextlib.suppress(queue.Empty):
             self._out.get_nowait()
-        for pool in (self._pool, self._checker):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        pools = [p for p in (self._pool, self._checker, self._pipeline) if p is not None]
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        for pool in (self._pool, self._checker):
-            if pool is not None:
-                pool.shutdown(wait=True)
+        for pool in pools:
+            pool.shutdown(wait=True)
 
     def __del__(self) -> None:
         # Not contextlib.suppress: at interpreter exit this module's globals may already be

@@ -1,0 +1,181 @@
+"""The loader's chunk pipeline: with one decode thread and a core to spare, the producer plans
+and reads each batch's compressed chunks and a thread of their own decodes them. Batches are
+the bytes the dataset holds, and a failure on either side names the sample."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hsstore
+import hsstore.loader.chunk_pipeline as chunk_pipeline
+import hsstore.loader.fetch as fetch
+from hsstore import LayerSpec
+from hsstore.errors import IntegrityError
+from hsstore.format import damage
+from hsstore.format.dtypes import storage_view
+from hsstore.format.local_store import LocalStorage
+from hsstore.loader import Loader
+from tests.faults import Call, Fault, FaultyStorage
+
+H = 32
+LAYERS = [LayerSpec(depth=d) for d in (1, 2, 3, 4)]
+ROWS_PER_CHUNK = 8
+
+
+@pytest.fixture(autouse=True)
+def spare_core(monkeypatch):
+    """A core to spare whatever this machine has: the fetcher then runs the pipeline."""
+    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
+
+
+def _dataset(path: Path, codec: str = "split-zstd") -> hsstore.Dataset:
+    ds = hsstore.create(
+        path,
+        layers=LAYERS,
+        hidden_size=H,
+        dtype=torch.bfloat16,
+        model={"name": "toy", "revision": None, "num_hidden_layers": 4, "hidden_size": H},
+        codec=codec,
+        chunk_bytes=ROWS_PER_CHUNK * len(LAYERS) * H * 2,  # samples span several chunks
+    )
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(5, 60, (40,), generator=g).tolist()
+    with ds.writer() as w:
+        for i, t in enumerate(lengths):
+            states = torch.randn(t, len(LAYERS), H, generator=g).to(torch.bfloat16)
+            ids = torch.randint(0, 50, (t,), generator=g)
+            w.add(f"s{i}", ids, torch.ones(t, dtype=torch.int64), states)
+    return hsstore.open(path)
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory) -> hsstore.Dataset:
+    return _dataset(tmp_path_factory.mktemp("pipeline") / "ds")
+
+
+def _epoch(path, threads: int) -> tuple[list[dict], set[str]]:
+    loader = Loader(path, max_tokens=128, shuffle=True, seed=3, num_threads=threads)
+    out, names = [], set()
+    for batch in loader:
+        names |= {t.name for t in threading.enumerate()}
+        out.append({k: v.clone() for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    loader.close()
+    return out, names
+
+
+def _assert_same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) > 1
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+
+
+def test_one_decode_thread_decodes_on_its_own_thread_and_delivers_the_same_batches(compressed):
+    one, names = _epoch(compressed.path, threads=1)
+    two, two_names = _epoch(compressed.path, threads=2)
+    assert any(n.startswith("hsstore-decode") for n in names)  # the pipeline's thread
+    assert any(n.startswith("hsstore-check") for n in names)  # and the checker beside it
+    _assert_same(one, two)
+    # And the bytes are the dataset's own: the first batch's samples, back to back.
+    raw = one[0]
+    assert raw["sample_index"].numel() > 1
+
+
+@pytest.mark.parametrize("buffer_bytes", [1, 3000])
+def test_chunks_larger_than_the_buffers_decode_all_the_same(compressed, monkeypatch, buffer_bytes):
+    """Buffers smaller than a chunk (each chunk then gets one of its own) or than a shard's
+    run of chunks (runs are cut) change nothing delivered."""
+    reference, _ = _epoch(compressed.path, threads=2)
+    monkeypatch.setattr(chunk_pipeline, "BUFFER_BYTES", buffer_bytes)
+    got, _ = _epoch(compressed.path, threads=1)
+    _assert_same(got, reference)
+
+
+def test_a_run_cut_into_parts_keeps_every_chunk_in_order(compressed):
+    reader = compressed.segment_reader(0)
+    rows = int(compressed.index.column("num_tokens")[3])
+    first = int(compressed.index.column("row_offset")[3])
+    runs = []
+    out = np.zeros((rows, len(LAYERS), H), dtype=np.uint16)
+    reader.read_rows(first, first + rows, None, out, crc=True, runs_to=runs.append)
+    assert runs and not out.any()  # planned, not yet read
+    for run in runs:
+        parts = run.split(2 * run.plan[0][3])
+        assert [e for p in parts for e in p.plan] == run.plan
+        assert all(p.nbytes <= 2 * run.plan[0][3] or len(p.plan) == 1 for p in parts)
+        for part in parts:
+            part.decode(iter(part.storage.read_ranges(part.key, part.ranges)))
+    assert np.array_equal(out, storage_view(compressed.read(3).hidden))
+
+
+def _chunk_of(ds: hsstore.Dataset, sample: int) -> tuple[Path, int, int]:
+    """The shard file, offset and size of the first chunk of ``sample``'s rows."""
+    reader = ds.segment_reader(0)
+    chunk = int(ds.index.column("row_offset")[sample]) // ds.manifest.layout.rows_per_chunk
+    (shard,) = Path(ds.path).rglob("states/c/0/0/0")
+    offset, nbytes = reader.shard_index(0).entries.reshape(-1, 2)[chunk].tolist()
+    return shard, offset, nbytes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_corrupted_compressed_sample_is_named_whichever_thread_checks_it(tmp_path, threads):
+    ds = _dataset(tmp_path / "ds")
+    shard, offset, nbytes = _chunk_of(ds, 7)
+    data = bytearray(shard.read_bytes())
+    at = offset + nbytes // 2  # inside the chunk's compressed streams
+    data[at : at + 4] = bytes(b ^ 0x5A for b in data[at : at + 4])
+    shard.write_bytes(bytes(data))
+    loader = Loader(ds.path, max_tokens=128, shuffle=False, num_threads=threads)
+    with pytest.raises(IntegrityError) as caught:
+        for _ in loader:
+            pass
+    assert caught.value.sample_id == "s7"
+
+
+def test_a_chunk_the_decode_thread_cannot_decode_names_its_sample(tmp_path):
+    ds = _dataset(tmp_path / "ds")
+    shard, offset, nbytes = _chunk_of(ds, 7)
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + 16] = bytes(16)  # the frame's header: the codec refuses it
+    shard.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError) as caught:
+        for _ in Loader(ds.path, max_tokens=128, shuffle=False, num_threads=1):
+            pass
+    assert caught.value.sample_id == "s7"
+    assert str(shard) in str(caught.value)
+
+
+def test_a_read_failing_on_the_producer_names_its_sample(tmp_path, monkeypatch):
+    """The producer's reads of a batch's chunks fail on and on (a disk's persistent EIO, shard
+    indexes already in memory): the loader raises the damage, naming the first sample."""
+    monkeypatch.setattr(damage, "EIO_RETRY_WAITS_S", (0.01, 0.02))
+    broken = threading.Event()
+
+    def plan(call: Call) -> Fault | None:
+        failing = broken.is_set() and call.verb == "read_ranges" and "states/c/" in call.key
+        return Fault("fail") if failing else None
+
+    _dataset(tmp_path / "ds")
+    ds = hsstore.open(FaultyStorage(LocalStorage(str(tmp_path / "ds")), plan))
+    for i in range(len(ds)):  # every shard's index read while the disk is healthy
+        ds.read(i)
+    broken.set()
+    with pytest.raises(IntegrityError, match="I/O error") as caught:
+        for _ in Loader(ds, max_tokens=128, shuffle=False, num_threads=1):
+            pass
+    assert caught.value.sample_id == "s0"
+
+
+def test_closing_mid_epoch_stops_the_decode_thread(compressed):
+    loader = Loader(compressed.path, max_tokens=128, shuffle=True, seed=1, num_threads=1)
+    batches = iter(loader)
+    next(batches)
+    assert any(t.name.startswith("hsstore-decode") for t in threading.enumerate())
+    loader.close()
+    assert not any(t.name.startswith("hsstore-decode") for t in threading.enumerate())
