@@ -63,7 +63,7 @@ def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
 @pytest.mark.parametrize("name", ["split-zstd", "blosc-zstd"])
 def test_c_blosc_decodes_from_and_into_any_buffer(name):
     """c-blosc is handed the buffers' addresses: a frame held read-only (bytes, as object
-    storage returns them) or writable at an offset (a read stage's memory), decoded into a numpy
+    storage returns them) or writable at an offset (a read buffer of the loader's), decoded into a numpy
     array or a memoryview, always gives the chunk."""
     codec = ChunkCodec(CodecConfig(name=name), 2)
     chunk = chunk_of("lossless", 64, 4096)  # 512 KiB: past the own decoder, to c-blosc
