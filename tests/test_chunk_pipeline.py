@@ -33,14 +33,15 @@ def spare_core(monkeypatch):
     monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
 
 
-def _dataset(path: Path, codec: str = "split-zstd") -> hsstore.Dataset:
+def _dataset(path: Path, tier: str | None = None) -> hsstore.Dataset:
     ds = hsstore.create(
         path,
         layers=LAYERS,
         hidden_size=H,
         dtype=torch.bfloat16,
         model={"name": "toy", "revision": None, "num_hidden_layers": 4, "hidden_size": H},
-        codec=codec,
+        codec="split-zstd",
+        tier=tier,
         chunk_bytes=ROWS_PER_CHUNK * len(LAYERS) * H * 2,  # samples span several chunks
     )
     g = torch.Generator().manual_seed(1)
@@ -85,6 +86,18 @@ def test_one_decode_thread_decodes_on_its_own_thread_and_delivers_the_same_batch
     # And the bytes are the dataset's own: the first batch's samples, back to back.
     raw = one[0]
     assert raw["sample_index"].numel() > 1
+
+
+def test_fp8_batches_are_dequantized_after_the_decode_thread_is_done(tmp_path):
+    """An fp8 tier's batches decode in stored form and become values on the pipeline's thread,
+    once its chunks are decoded: the same values as with a pool of decode threads."""
+    ds = _dataset(tmp_path / "fp8", tier="fp8-token")
+    assert ds.manifest.scaled and ds.manifest.codec.compressed
+    one, names = _epoch(ds.path, threads=1)
+    two, _ = _epoch(ds.path, threads=2)
+    assert any(n.startswith("hsstore-decode") for n in names)
+    _assert_same(one, two)
+    assert all(b["hidden_states"].dtype == torch.bfloat16 for b in one)
 
 
 @pytest.mark.parametrize("buffer_bytes", [1, 3000])
