@@ -16,6 +16,12 @@ TESTS=(tests/test_extract_golden.py tests/test_extract_selection.py tests/test_e
 PYTAG=$("$PY" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
 # Everything .venv has, pinned, except what a transformers release brings its own version of.
 FLOATING='^(transformers|tokenizers|huggingface[-_]hub|hf[-_]xet)=='
+# Optional imports of transformers that a newer release brings into .venv and an older one
+# breaks on (5.8.1 builds its hub-kernel table at import, which kernels 0.19 refuses): hidden
+# in an overlay whose release does not require them.
+HIDDEN_UNLESS_REQUIRED="kernels"
+# The overlay's layout; a change of what an overlay holds bumps it, so cached ones are rebuilt.
+OVERLAY_FORMAT=2
 
 releases() { # the registry's transformers releases, newest first
     "$PY" -m pip index versions transformers 2>/dev/null |
@@ -57,10 +63,11 @@ build_overlay() { # $1 version, $2 overlay dir
     "$PY" -m pip install --quiet --dry-run --ignore-installed --report "$report" \
         -c "$constraints" "transformers==$1"
     # what the resolution needs that .venv lacks at that exact version
-    mapfile -t pins < <("$PY" - "$report" <<'EOF'
+    mapfile -t pins < <("$PY" - "$report" $HIDDEN_UNLESS_REQUIRED <<'EOF'
 import json, sys
 from importlib.metadata import PackageNotFoundError, version
-for item in json.load(open(sys.argv[1]))["install"]:
+installed = json.load(open(sys.argv[1]))["install"]
+for item in installed:
     name, want = item["metadata"]["name"], item["metadata"]["version"]
     try:
         have = version(name)
@@ -68,12 +75,30 @@ for item in json.load(open(sys.argv[1]))["install"]:
         have = None
     if have != want:
         print(f"{name}=={want}")
+required = {item["metadata"]["name"].lower() for item in installed}
+for name in sys.argv[2:]:
+    try:
+        version(name)
+    except PackageNotFoundError:
+        continue
+    if name not in required:
+        print(f"hide:{name}")
 EOF
     )
     rm -rf "$2.partial"
     mkdir -p "$2.partial"
-    if [ ${#pins[@]} -gt 0 ]; then
-        "$PY" -m pip install --quiet --no-deps --target "$2.partial" "${pins[@]}"
+    local wanted=() pin
+    for pin in "${pins[@]}"; do
+        if [[ $pin == hide:* ]]; then # a module that fails to import, as if not installed
+            mkdir -p "$2.partial/${pin#hide:}"
+            echo "raise ImportError('not in the environment of this transformers release')" \
+                >"$2.partial/${pin#hide:}/__init__.py"
+        else
+            wanted+=("$pin")
+        fi
+    done
+    if [ ${#wanted[@]} -gt 0 ]; then
+        "$PY" -m pip install --quiet --no-deps --target "$2.partial" "${wanted[@]}"
     fi
     printf '%s\n' "${pins[@]}" >"$2.partial/OVERLAY"
     rm -rf "$2" "$tmp"
@@ -86,7 +111,7 @@ for want in $VERSIONS; do
         want=$(newest) || true
         [ -n "$want" ] || { echo "cannot find an installable transformers release" >&2; exit 1; }
     fi
-    overlay=$CACHE/transformers-$want-$PYTAG
+    overlay=$CACHE/transformers-$want-$PYTAG-o$OVERLAY_FORMAT
     if [ ! -f "$overlay/OVERLAY" ]; then
         start=$SECONDS
         build_overlay "$want" "$overlay"
