@@ -9,6 +9,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,10 @@ def test_will_read_brings_exactly_the_ranges_into_the_page_cache(tmp_path):
     assert bytes(got) == data[9 << 20 : (9 << 20) + 100]
 
 
-def test_the_page_cache_probe_looks_without_reading(tmp_path):
-    """Whether a page is cached is asked of the kernel without reading it: a probe that read
-    the page (a non-blocking read starts the read of what it misses) could find it arrived on
-    a fast device and call a cold range cached, and its hint would never be given."""
+@pytest.fixture
+def probed(tmp_path) -> Iterator[tuple[Path, int]]:
+    """A 4 MiB file on disk and a descriptor of it, on a file system and kernel where the page
+    cache can be emptied and probed with `cachestat`."""
     store = LocalStorage(tmp_path)
     store.write_file("f", [bytes(4 << 20)])
     store.sync(["f"])
@@ -101,14 +102,34 @@ def test_the_page_cache_probe_looks_without_reading(tmp_path):
     try:
         if read_ahead.cachestat_pages(fd, 0) is None:
             pytest.skip("this kernel has no cachestat (Linux 6.5+)")
-        for _ in range(20):
-            evict(tmp_path / "f")
-            assert not read_ahead.resident(fd, 1 << 20, 1 << 20)
-            assert cached_pages(tmp_path / "f") == []
-        os.pread(fd, 1, 1 << 20)
-        assert read_ahead.cached(fd, 1 << 20)
+        yield tmp_path / "f", fd
     finally:
         os.close(fd)
+
+
+def test_the_page_cache_probe_looks_without_reading(probed):
+    """Whether a page is cached is asked of the kernel without reading it: a probe that read
+    the page (a non-blocking read starts the read of what it misses) could find it arrived on
+    a fast device and call a cold range cached, and its hint would never be given."""
+    path, fd = probed
+    for _ in range(20):
+        evict(path)
+        assert not read_ahead.resident(fd, 1 << 20, 1 << 20)
+        assert cached_pages(path) == []
+    os.pread(fd, 1, 1 << 20)
+    assert read_ahead.cached(fd, 1 << 20)
+
+
+def test_a_range_with_a_cold_middle_is_not_resident(probed):
+    """Residency is judged on every page of a range, not on its ends: a range whose middle
+    left the page cache is hinted again."""
+    _, fd = probed
+    os.preadv(fd, [bytearray(4 << 20)], 0)
+    assert read_ahead.resident(fd, 0, 4 << 20)
+    os.posix_fadvise(fd, 1 << 20, 1 << 20, os.POSIX_FADV_DONTNEED)
+    assert read_ahead.cached(fd, 0) and read_ahead.cached(fd, (4 << 20) - 1)
+    assert not read_ahead.resident(fd, 0, 4 << 20)
+    assert read_ahead.resident(fd, 3 << 20, 1 << 20)
 
 
 def test_will_read_leaves_cached_ranges_alone_and_takes_no_ranges(tmp_path):

@@ -14,6 +14,7 @@ import errno
 import os
 import platform
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 # Hints need posix_fadvise and non-blocking reads (Linux).
@@ -23,6 +24,8 @@ SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "RWF_NOWAIT")
 # window and its largest request per hint (1.25-4 MiB on the devices seen here;
 # `force_page_cache_ra`).
 HINT_PIECE_BYTES = 1 << 20
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 # A cold read asks for this many ranges beyond the one it waits for (`ColdRanges`).
 COLD_RANGES_AHEAD = 2
@@ -47,7 +50,9 @@ def _cachestat_syscall() -> Callable[..., int] | None:
     if sys.platform != "linux" or platform.machine() == "alpha":
         return None
     try:
-        syscall = ctypes.CDLL(None, use_errno=True).syscall
+        # Through PyDLL, which keeps the GIL: the call takes a microsecond, and a thread that
+        # let go of the GIL for it would wait for it back behind the loader's other threads.
+        syscall = ctypes.PyDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
@@ -58,15 +63,24 @@ def _cachestat_syscall() -> Callable[..., int] | None:
 _syscall = _cachestat_syscall()
 
 
-def cachestat_pages(fd: int, offset: int) -> int | None:
-    """Pages of the file's page cache at ``offset`` (0 or 1) by `cachestat`, which looks without
-    reading; None where the kernel lacks it (then never asked again)."""
+_probe = threading.local()  # each thread's cachestat arguments, made once
+
+
+def cachestat_pages(fd: int, offset: int, nbytes: int = 1) -> int | None:
+    """How many of the pages holding bytes [offset, offset + nbytes) of the file are in its page
+    cache, by `cachestat`, which looks without reading; None where the kernel lacks it (then
+    never asked again)."""
     global _syscall
     syscall = _syscall
     if syscall is None:
         return None
-    span, stat = _Range(offset, 1), _CacheStat()
-    if syscall(_CACHESTAT, fd, ctypes.byref(span), ctypes.byref(stat), 0) == 0:
+    args = getattr(_probe, "args", None)
+    if args is None:
+        span, stat = _Range(), _CacheStat()
+        args = _probe.args = (span, stat, ctypes.byref(span), ctypes.byref(stat))
+    span, stat, span_ref, stat_ref = args
+    span.off, span.len = offset, nbytes
+    if syscall(_CACHESTAT, fd, span_ref, stat_ref, 0) == 0:
         return stat.nr_cache
     if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
         _syscall = None
@@ -94,7 +108,11 @@ def cached(fd: int, offset: int) -> bool:
 
 
 def resident(fd: int, offset: int, nbytes: int) -> bool:
-    """Whether the range is in the page cache, judged on its first and last byte."""
+    """Whether the range is in the page cache: every page of it, by one `cachestat`; where the
+    kernel lacks that, judged on its first and last byte (`cached`)."""
+    pages = cachestat_pages(fd, offset, nbytes)
+    if pages is not None:
+        return pages >= (offset + nbytes - 1) // PAGE_BYTES - offset // PAGE_BYTES + 1
     return cached(fd, offset) and cached(fd, offset + nbytes - 1)
 
 
@@ -109,7 +127,7 @@ def advise(fd: int, ranges: Sequence[tuple[int, int]], *, unless_resident: bool)
     window, hence the pieces.
 
     With ``unless_resident`` a range already in the page cache is left alone: the hint would
-    look up every one of its pages again, so its ends are probed first (`resident`)."""
+    look up every one of its pages again, so it is probed first (`resident`)."""
     for offset, nbytes in ranges:
         if not nbytes or (unless_resident and resident(fd, offset, nbytes)):
             continue
