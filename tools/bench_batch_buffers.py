@@ -7,8 +7,9 @@ one thread, every case interleaved round after round in one process:
 
 * ``raw, one buffer`` / ``raw, batch ring``: only ``preadv`` + XXH3 of each sample's bytes
   (its rows in the state files, read whole), into one reused buffer or into the loader's plan
-  positions in a ring of ``--ring`` batch buffers (``--huge``: 2 MiB pages via
-  ``madvise(MADV_HUGEPAGE)``): the cost of writing into memory that is not in cache;
+  positions in a ring of ``--ring`` batch buffers (``--huge``: the loader's own, in 2 MiB pages
+  where the kernel has them, `host_memory`): the cost of writing into memory that is not in
+  cache;
 * ``raw without XXH3, batch ring``: the same reads into the ring, unhashed: what a loader's
   decode thread pays when the checksums are taken elsewhere; ``+ XXH3 on a thread`` / ``in a
   process``: with as many bytes hashed sample by sample, one batch behind the reads, as the
@@ -30,7 +31,6 @@ Prints the median GB/s of each case and its ratio to ``read_hidden_into, one buf
 from __future__ import annotations
 
 import argparse
-import mmap
 import multiprocessing
 import os
 import shutil
@@ -51,20 +51,9 @@ import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
 from hsstore.format import paths  # noqa: E402
 from hsstore.loader import Loader  # noqa: E402
+from hsstore.loader.collate import host_memory  # noqa: E402
 
 MAX_TOKENS = 8192
-
-
-def huge_page_buffer(nbytes: int, keep: list) -> torch.Tensor:
-    """``nbytes`` of zeroed private memory, 2 MiB aligned, advised to use huge pages."""
-    area = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
-    keep.append(area)
-    flat = torch.frombuffer(area, dtype=torch.uint8)
-    start = (-flat.data_ptr()) % (2 << 20)
-    out = flat[start : start + nbytes]
-    out.zero_()
-    return out
 
 
 def _hash_batches(conn, nbytes: int) -> None:
@@ -142,9 +131,8 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
     lens = [ds.num_tokens_of(i) for i in range(len(ds))]
     nbytes = sum(lens) * row * 2
     one = torch.empty(max(lens) * row, dtype=torch.bfloat16)
-    keep: list = []
     ring = [
-        huge_page_buffer(MAX_TOKENS * row * 2, keep).view(torch.bfloat16)
+        host_memory(MAX_TOKENS * row, torch.bfloat16, pin=False, zeroed=True)
         if args.huge
         else torch.zeros(MAX_TOKENS * row, dtype=torch.bfloat16)
         for _ in range(args.ring)

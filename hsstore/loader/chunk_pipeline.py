@@ -36,7 +36,7 @@ class ChunkPipeline:
     def __init__(self, stop: threading.Event):
         self._stop = stop
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hsstore-decode")
-        self._free: queue.Queue[np.ndarray] = queue.Queue()
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         for _ in range(BUFFERS):
             self._free.put(np.ones(BUFFER_BYTES, np.uint8))  # touched now, not in an epoch
 

@@ -16,6 +16,8 @@ Keys follow speculators' trainer (``speculators/train/data.py``): ``hidden_state
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -25,6 +27,8 @@ import torch
 from hsstore.loader.dataset_handle import LayerChoice
 
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids", "document_ids")
+# Buffers from this size on are asked for in huge pages (`host_memory`).
+_HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
 @dataclass
@@ -71,6 +75,25 @@ def as_eagle3(raw: RawBatch, choice: LayerChoice) -> dict[str, torch.Tensor]:
     return out
 
 
+def host_memory(numel: int, dtype: torch.dtype, pin: bool, zeroed: bool) -> torch.Tensor:
+    """``numel`` elements of host memory for batch states: pinned when feeding a GPU; else, if
+    large, in transparent huge pages where the kernel offers them (a batch's hundreds of MB are
+    written in full every batch, and on 4 KiB pages the writes miss the TLB every 4 KiB).
+    ``zeroed``: written with zeros now, so that no epoch pays for first touches."""
+    nbytes = numel * dtype.itemsize
+    if pin or nbytes < _HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        alloc = torch.zeros if zeroed else torch.empty
+        return alloc(numel, dtype=dtype, pin_memory=pin)
+    # Private: a forked worker gets its own copy on write, as with any other allocation.
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a hint
+        region.madvise(mmap.MADV_HUGEPAGE)
+    out = torch.frombuffer(region, dtype=torch.uint8).view(dtype)  # keeps ``region`` alive
+    if zeroed:
+        out.zero_()
+    return out
+
+
 class HostBuffers:
     """Host memory for one batch of at most ``capacity`` tokens, reused batch after batch.
 
@@ -97,8 +120,7 @@ class HostBuffers:
         self.num_layers, self.hidden_size = num_layers, hidden_size
         # prefault=False for one-shot buffers: every element is written anyway (samples and
         # padding), so zeroing would only add a pass over fresh memory.
-        alloc = torch.zeros if prefault else torch.empty
-        self.hidden = alloc(capacity * self.row, dtype=dtype, pin_memory=pin)
+        self.hidden = host_memory(capacity * self.row, dtype, pin, prefault)
         # Every token row of ``hidden`` from this one on is zero: padding there is already
         # written (`fill_padding`), which spares a pass over most of the padding of a batch.
         self.clean_from = 0 if prefault else capacity
@@ -113,7 +135,7 @@ class HostBuffers:
         self.values = (
             None
             if scales_width is None or values_dtype is None
-            else alloc(capacity * self.row, dtype=values_dtype)
+            else host_memory(capacity * self.row, values_dtype, False, prefault)
         )
 
     @classmethod
@@ -204,20 +226,23 @@ def fill_padding(
     packed: bool,
     pad_token_id: int,
     clean_from: int,
+    stale: list[torch.Tensor] | None = None,
 ) -> int:
     """Write pad values everywhere no sample lands (buffers are reused: stale data otherwise).
 
     ``clean_from``: the buffer's hidden states are zero from this flat ``[B * T]`` token row
     on (`HostBuffers.clean_from`), so padding there is not written again. Returns that bound
-    for after this batch (its samples end before it)."""
+    for after this batch (its samples end before it). With a ``stale`` list, the hidden states
+    still to zero are appended to it, for the caller to zero (on another thread), rather than
+    zeroed here."""
     b, t = raw.input_ids.shape
     if packed:
-        _pad_row(raw, 0, int(places.takes.sum()), pad_token_id, clean_from)
+        _pad_row(raw, 0, int(places.takes.sum()), pad_token_id, clean_from, stale)
     else:
         for row, take in enumerate(places.takes.tolist()):
-            _pad_row(raw, row, take, pad_token_id, clean_from)
+            _pad_row(raw, row, take, pad_token_id, clean_from, stale)
         for row in range(len(places), b):
-            _pad_row(raw, row, 0, pad_token_id, clean_from)
+            _pad_row(raw, row, 0, pad_token_id, clean_from, stale)
     if clean_from > b * t:  # rows past this batch keep what an earlier, longer batch left
         return clean_from
     if packed or not len(places):
@@ -225,14 +250,23 @@ def fill_padding(
     return (len(places) - 1) * t + int(places.takes[-1])
 
 
-def _pad_row(raw: RawBatch, row: int, start: int, pad_token_id: int, clean_from: int) -> None:
+def _pad_row(
+    raw: RawBatch,
+    row: int,
+    start: int,
+    pad_token_id: int,
+    clean_from: int,
+    stale: list[torch.Tensor] | None,
+) -> None:
     """Pad row ``row`` from token ``start`` on (hidden states only below flat row
-    ``clean_from``)."""
+    ``clean_from``, or left in ``stale``)."""
     t = raw.input_ids.shape[1]
     if start >= t:
         return
     stop = min(t, clean_from - row * t)
-    if stop > start:
+    if stop > start and stale is not None:
+        stale.append(raw.hidden[row, start:stop])
+    elif stop > start:
         raw.hidden[row, start:stop].zero_()
     raw.input_ids[row, start:] = pad_token_id
     raw.loss_mask[row, start:] = 0

@@ -78,6 +78,8 @@ def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> b
 
 
 _FIRST_POLL_S = 0.001
+# Less stale padding than this is zeroed by the producer: a hand-off costs as much.
+_ZERO_HERE_BYTES = 1 << 20
 _END = object()
 # One sample to decode: (storage position, stored tokens, first row in the batch's flattened
 # [B * T] tokens, tokens taken).
@@ -226,9 +228,11 @@ class BatchFetcher:
                     for _ in range(min(self._num_threads, len(todo)))
                 ] if self._pool is not None else []  # fmt: skip
                 try:  # while the samples decode (padding and token columns lie elsewhere)
+                    stale: list[torch.Tensor] | None = [] if self._checker else None
                     buf.clean_from = fill_padding(
-                        raw, places, self.shape.packed, self.shape.pad_token_id, clean_from
+                        raw, places, self.shape.packed, self.shape.pad_token_id, clean_from, stale
                     )
+                    zeroed = self._zero(stale) if stale else None
                     input_ids, loss_mask = self.source.read_tokens_many(samples, tokens)
                     scales = None
                     if raw.scales is not None:
@@ -245,6 +249,11 @@ class BatchFetcher:
                 elif self._pool is None:  # one decode thread: this one, with no hand-off
                     self._decode_claimed(tokens_rows, todo, unchecked)
                 values = buf.values_view(b, t)
+                if zeroed is not None and values is not None and not futures:
+                    zeroed.result()  # decoded here already: the padding too, before dequantizing
+                    zeroed = None
+                elif zeroed is not None:  # the dequantization queued below waits for it too
+                    futures.append(zeroed)
                 if values is not None and not futures:  # decoded here already
                     raw = dequantize_batch(raw, values)
                 elif values is not None:  # once the batch's decode tasks are done
@@ -263,6 +272,15 @@ class BatchFetcher:
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, which re-raises it
             self._put(exc)
+
+    def _zero(self, stale: list[torch.Tensor]) -> Future | None:
+        """Zero the ``stale`` hidden states of a batch's padding: on the checker thread when
+        there is much of it (the rows a short batch, such as an epoch's last, leaves behind in a
+        reused buffer), so that the decoding of the batch does not wait for it; else here."""
+        if sum(rows.nbytes for rows in stale) < _ZERO_HERE_BYTES:
+            _zero_rows(stale)
+            return None
+        return self._checker.submit(_zero_rows, stale)  # type: ignore[union-attr]
 
     @staticmethod
     def _dequantize_after(decoded: list[Future], raw: RawBatch, values: torch.Tensor) -> None:
@@ -436,6 +454,11 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
+
+
+def _zero_rows(stale: list[torch.Tensor]) -> None:
+    for rows in stale:
+        rows.zero_()
 
 
 def _buffers(
