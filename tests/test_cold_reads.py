@@ -241,6 +241,7 @@ def test_failing_hints_fail_no_read(tmp_path, codec, monkeypatch):
     # Every read hint, and every probe of whether bytes are in the page cache, fails.
     monkeypatch.setattr(os, "posix_fadvise", failing)
     monkeypatch.setattr(read_ahead, "resident", failing)
+    monkeypatch.setattr(read_ahead, "ends_cached", failing)
     ds = hsstore.open(root, read_threads=1)
     for k in (3, 0, 5):
         ds.close()  # maps the files again, so the reads start cold

@@ -137,7 +137,7 @@ class LocalStorage(Storage):
         lo = min(offset for offset, _ in ranges)
         hi = max(offset + nbytes for offset, nbytes in ranges)
         try:
-            if hi > os.fstat(fd).st_size or read_ahead.resident(fd, lo, hi - lo):
+            if hi > os.fstat(fd).st_size or read_ahead.ends_cached(fd, lo, hi - lo):
                 return None  # past the end: the read reports it
             if self.read_hints == "all at once":
                 read_ahead.advise(fd, ranges, unless_resident=False)

@@ -109,10 +109,17 @@ def cached(fd: int, offset: int) -> bool:
 
 def resident(fd: int, offset: int, nbytes: int) -> bool:
     """Whether the range is in the page cache: every page of it, by one `cachestat`; where the
-    kernel lacks that, judged on its first and last byte (`cached`)."""
+    kernel lacks that, judged on its ends (`ends_cached`)."""
     pages = cachestat_pages(fd, offset, nbytes)
     if pages is not None:
         return pages >= (offset + nbytes - 1) // PAGE_BYTES - offset // PAGE_BYTES + 1
+    return ends_cached(fd, offset, nbytes)
+
+
+def ends_cached(fd: int, offset: int, nbytes: int) -> bool:
+    """Whether the first and last byte of the span are in the page cache: the test for a span
+    that may hold pages no read wants (the layers a read skips), which stay cold in a warm
+    file."""
     return cached(fd, offset) and cached(fd, offset + nbytes - 1)
 
 
