@@ -264,10 +264,12 @@ def _pad_row(
     if start >= t:
         return
     stop = min(t, clean_from - row * t)
-    if stop > start and stale is not None:
-        stale.append(raw.hidden[row, start:stop])
-    elif stop > start:
-        raw.hidden[row, start:stop].zero_()
+    if stop > start:
+        rows = raw.hidden[row, start:stop]
+        if stale is None:
+            rows.zero_()
+        else:
+            stale.append(rows)
     raw.input_ids[row, start:] = pad_token_id
     raw.loss_mask[row, start:] = 0
     raw.position_ids[row, start:] = 0

@@ -249,12 +249,12 @@ class BatchFetcher:
                 elif self._pool is None:  # one decode thread: this one, with no hand-off
                     self._decode_claimed(tokens_rows, todo, unchecked)
                 values = buf.values_view(b, t)
-                if zeroed is not None and values is not None and not futures:
-                    zeroed.result()  # decoded here already: the padding too, before dequantizing
-                    zeroed = None
-                elif zeroed is not None:  # the dequantization queued below waits for it too
+                decoded_here = not futures
+                if zeroed is not None:  # the dequantization and the consumer wait for it too
                     futures.append(zeroed)
-                if values is not None and not futures:  # decoded here already
+                if values is not None and decoded_here:
+                    if zeroed is not None:
+                        zeroed.result()
                     raw = dequantize_batch(raw, values)
                 elif values is not None:  # once the batch's decode tasks are done
                     decoded = list(futures)
