@@ -9,8 +9,8 @@ DEMO_OUT := demo_out
 
 .PHONY: demo test test-sglang schemas
 
-# Re-run the installer when the dependencies or the installer change.
-$(INSTALLED): pyproject.toml scripts/install.sh
+# Re-run the installer when the dependencies, the compiled module or the installer change.
+$(INSTALLED): pyproject.toml setup.py hsstore/format/_planes.c scripts/install.sh
 	bash scripts/install.sh
 	touch $@
 

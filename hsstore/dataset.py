@@ -329,9 +329,8 @@ class Dataset:
             if np_out is None:
                 self._read_into(i, layer_list, out[first : first + n], values)
             else:
-                self._decode(
-                    i, layer_list, np_out[first : first + n], deferred=defer, runs_to=runs_to
-                )
+                self._decode(i, layer_list, np_out[first : first + n], deferred=defer,
+                             runs_to=runs_to, stream=True)  # fmt: skip
             if defer:
                 unchecked.append((i, first))  # type: ignore[union-attr]
             done += 1
@@ -424,11 +423,13 @@ class Dataset:
         threads: int = 1,
         deferred: bool = False,
         runs_to: Callable[[ShardRun], None] | None = None,
+        stream: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
         sample checksum when reads are verified and all layers are read, unless the caller
         checks it later (``deferred``: `check_decoded`). Returns its token columns and scales,
-        read only when ``columns`` or the checksum needs them (else empty)."""
+        read only when ``columns`` or the checksum needs them (else empty). ``stream``: the
+        states go to a batch, written around the caches unless hashed as they land."""
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
         checked = self.verify_reads and layers is None
@@ -440,7 +441,7 @@ class Dataset:
         with sample_errors(*where):
             hand_off = runs_to and functools.partial(hand_off_as_sample, runs_to, where)
             reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc,
-                             threads=threads, runs_to=hand_off)  # fmt: skip
+                             threads=threads, runs_to=hand_off, stream=stream)  # fmt: skip
             if columns or hasher is not None:
                 cols = token_columns(reader, row, n)
             if hasher is not None:

@@ -248,6 +248,7 @@ class SegmentReader:
         crc: bool | None = None,
         threads: int = 1,
         runs_to: Callable[[ShardRun], None] | None = None,
+        stream: bool = False,
     ) -> None:
         """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
 
@@ -264,6 +265,9 @@ class SegmentReader:
         ``runs_to`` (without a ``hasher``): compressed chunks are planned here, shard by shard,
         and each `ShardRun` handed to it to read and decode elsewhere (a loader's pipeline):
         ``out`` is filled once it has. Uncompressed rows are still read here.
+
+        ``stream`` (without a ``hasher``): whole chunks are decoded into ``out`` around the
+        caches, for an ``out`` nothing reads again soon (a loader's batch).
         """
         man = self.manifest
         layout = man.layout
@@ -287,7 +291,8 @@ class SegmentReader:
         by_chunk: dict[int, list[tuple[int, int]]] = {}
         for pos, layer in enumerate(wanted):
             by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
-        read = RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows)
+        read = RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows,
+                        stream=stream and hasher is None)  # fmt: skip
         c, last = start // rpc, (stop - 1) // rpc
         while c <= last:  # shard by shard
             end = min(last, (c // cps + 1) * cps - 1)

@@ -105,6 +105,8 @@ class RowsRead:
         hasher: xxhash.xxh3_64 | None,
         crc: bool,
         whole_rows: bool,
+        *,
+        stream: bool = False,
     ):
         self.reader, self.start, self.stop, self.by_chunk = reader, start, stop, by_chunk
         self.out, self.flat, self.rb = out, out_bytes.reshape(-1), out_bytes.shape[1]
@@ -116,6 +118,9 @@ class RowsRead:
             layout.chunks_per_shard,
         )
         self.chunk_nbytes = self.rpc * reader.row_bytes_chunk
+        # Whole chunks go to ``out`` around the caches (`ChunkCodec.decode_into`): for an
+        # ``out`` nothing reads again soon (no hasher here, a loader's batch).
+        self.stream = stream
 
     def _whole(self, c: int) -> bool:
         """Whether chunk ``c`` decodes straight into ``out`` (all its rows and layers wanted)."""
@@ -238,12 +243,13 @@ class ShardRun:
         rpc, start, stop, where, base, last_j = (
             read.rpc, read.start, read.stop, self.where, self.base, self.last_j
         )  # fmt: skip
-        flat, rb, whole_rows, hasher, crc = (
+        flat, rb, whole_rows, hasher, crc, stream = (
             read.flat,
             read.rb,
             read.whole_rows,
             read.hasher,
             read.crc,
+            read.stream,
         )
         decode = read.reader.codec.decode_into
         for k, (local, j, _, nbytes) in enumerate(self.plan):
@@ -264,7 +270,7 @@ class ShardRun:
                 try:
                     # The sample checksum, when it is verified, covers the decoded bytes: the
                     # chunk crc would check the same bytes a second time.
-                    decode(encoded, dst, what=where, crc=crc)
+                    decode(encoded, dst, what=where, crc=crc, stream=stream and whole)
                 except IntegrityError as exc:
                     raise IntegrityError(exc.message, path=f"{where} chunk ({c}, {j})") from None
                 if not whole:

@@ -29,6 +29,7 @@ def test_every_figure_is_a_rate(capsys):
         "zstd_ceiling_gb_s",
         "encode_gb_s",
         "encode_vs_1024_table",
+        "streamed_vs_cached_batch",
     ]
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("decode_gb_s=")

@@ -17,6 +17,7 @@ import hsstore.loader.fetch as fetch
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
 from hsstore.format import damage
+from hsstore.format.codecs import ChunkCodec
 from hsstore.format.dtypes import storage_view
 from hsstore.format.local_store import LocalStorage
 from hsstore.loader import Loader
@@ -86,6 +87,35 @@ def test_one_decode_thread_decodes_on_its_own_thread_and_delivers_the_same_batch
     # And the bytes are the dataset's own: the first batch's samples, back to back.
     raw = one[0]
     assert raw["sample_index"].numel() > 1
+
+
+def test_batches_decode_around_the_caches_and_inline_checked_reads_into_them(
+    compressed, monkeypatch
+):
+    """Whole chunks reach a batch the checker hashes later, on another core, through the
+    codec's stores around the caches; a sample read whose checksum takes each chunk as it
+    lands decodes into the cache. Either way the bytes are the dataset's."""
+    calls: list[tuple[str, bool]] = []
+    decode_into = ChunkCodec.decode_into
+
+    def spy(self, encoded, out, *, stream=False, **kwargs):
+        calls.append((threading.current_thread().name, stream))
+        return decode_into(self, encoded, out, stream=stream, **kwargs)
+
+    monkeypatch.setattr(ChunkCodec, "decode_into", spy)
+    batches, _ = _epoch(compressed.path, threads=1)
+    streamed = {s for name, s in calls if name.startswith("hsstore-decode")}
+    assert True in streamed  # (a sample's last chunk, cut by its end, goes through scratch)
+    for batch in batches:
+        states = batch["per_layer_hidden_states"][0]
+        at = 0
+        for i, n in zip(batch["sample_index"].tolist(), batch["lengths"].tolist(), strict=True):
+            assert torch.equal(states[at : at + n], compressed[i].hidden)
+            at += n
+    calls.clear()
+    for i in range(len(compressed)):
+        compressed.read_hidden_into(i, torch.empty_like(compressed[i].hidden))
+    assert calls and not any(s for _, s in calls)
 
 
 def test_fp8_batches_are_dequantized_after_the_decode_thread_is_done(tmp_path):

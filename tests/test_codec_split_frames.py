@@ -13,6 +13,7 @@ import torch
 
 from hsstore.errors import IntegrityError
 from hsstore.format import codecs
+from hsstore.format._planes import join_planes
 from hsstore.format.codecs import ChunkCodec, CodecConfig
 from hsstore.format.tiers import round_mantissa
 from tools.synthetic import llm_like_states
@@ -46,27 +47,54 @@ def by_blosc(encoded: bytes, nbytes: int) -> np.ndarray:
 @pytest.mark.parametrize(
     "rows, hidden", [(1, 32), (2, 64), (32, 64), (32, 384), (16, 4096), (64, 4096)]
 )
-def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden):
+@pytest.mark.parametrize("stream", [False, True])
+def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden, stream):
     codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
     chunk = chunk_of(kind, rows, hidden)
     encoded = frame(codec, chunk)
     out = np.full(chunk.nbytes, 0xAB, np.uint8)
-    codec.decode_into(memoryview(encoded), out, what="test")
+    codec.decode_into(memoryview(encoded), out, what="test", stream=stream)
     assert out.tobytes() == chunk.tobytes() == by_blosc(encoded, chunk.nbytes).tobytes()
-    # which path decoded it: frames too small to split ("blocks not split") and large ones go
-    # to c-blosc
+    # which path decoded it: frames too small to split ("blocks not split") go to c-blosc
     body = memoryview(encoded)[:-4]
-    own = 256 <= chunk.nbytes <= codecs._OWN_DECODE_MAX_BYTES
-    assert codec._split.decode_into(body, out, what="test") == own
+    own = chunk.nbytes >= 256
+    assert codec._split.decode_into(body, out, what="test", stream=stream) == own
 
 
-@pytest.mark.parametrize("name", ["split-zstd", "blosc-zstd"])
-def test_c_blosc_decodes_from_and_into_any_buffer(name):
-    """c-blosc is handed the buffers' addresses: a frame held read-only (bytes, as object
-    storage returns them) or writable at an offset (a read buffer of the loader's), decoded into a numpy
-    array or a memoryview, always gives the chunk."""
-    codec = ChunkCodec(CodecConfig(name=name), 2)
-    chunk = chunk_of("lossless", 64, 4096)  # 512 KiB: past the own decoder, to c-blosc
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("offset", [0, 1, 2, 6, 16])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100, 4099])
+def test_join_planes_interleaves_at_any_alignment(stream, offset, n):
+    """The stores around the caches need aligned destinations: every start and length, even
+    an odd address (no aligned stores at all), gives the same bytes, and nothing past them."""
+    rng = np.random.default_rng(n + offset)
+    low, high = rng.integers(0, 256, n, np.uint8), rng.integers(0, 256, n, np.uint8)
+    held = np.full(2 * n + offset + 8, 0xAB, np.uint8)
+    out = held[offset : offset + 2 * n]
+    join_planes(out, low.tobytes(), memoryview(high), stream)
+    assert (out[0::2] == low).all() and (out[1::2] == high).all()
+    assert (held[:offset] == 0xAB).all() and (held[offset + 2 * n :] == 0xAB).all()
+
+
+def test_join_planes_refuses_buffers_that_do_not_fit():
+    out = np.zeros(10, np.uint8)
+    for low, high in ((b"abcd", b"abc"), (b"abcd", b"abcd"), (b"abcdef", b"abcdef")):
+        with pytest.raises(ValueError, match="do not fill 10 bytes"):
+            join_planes(out, low, high)
+    with pytest.raises(TypeError):
+        join_planes(b"read-only!", b"abcde", b"abcde")
+    assert not out.any()
+
+
+@pytest.mark.parametrize("name", ["split-zstd", "split-zstd by c-blosc", "blosc-zstd"])
+def test_decoders_decode_from_and_into_any_buffer(name):
+    """The decoders are handed the buffers' addresses: a frame held read-only (bytes, as object
+    storage returns them) or writable at an offset (a read buffer of the loader's), decoded
+    into a numpy array or a memoryview, always gives the chunk."""
+    codec = ChunkCodec(CodecConfig(name=name.split()[0]), 2)
+    if name.endswith("c-blosc"):
+        codec._split = None
+    chunk = chunk_of("lossless", 64, 4096)
     encoded = frame(codec, chunk)
     held = np.zeros(len(encoded) + 7, np.uint8)
     held[7:] = np.frombuffer(encoded, np.uint8)

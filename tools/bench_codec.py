@@ -12,14 +12,17 @@ with `split-zstd`; then, best of --repeats, GB/s of decoded states on one thread
     raw mantissa stream, the unshuffle);
   - exponent stream: only the zstd (Huffman) decode of the exponent bytes, counted against all the decoded bytes: the ceiling of any decoder of these
     frames, since every other step is a copy;
-  - copy: a plain copy of the decoded bytes, for scale.
+  - copy: a plain copy of the decoded bytes, for scale;
+  - into batches, cached / streamed: decode_into without crc (as a loader decodes) into
+    consecutive places of a ring of batch-sized memory far larger than the caches, with
+    ordinary stores and with the stores around the caches a loader uses (``stream``).
 
 And the encoder, GB/s of chunks on one thread and the ratio, with hsstore's zstd parameters
 and with a 1024-entry match finder instead of its 512 entries (the table size the choice was
 made against), timed in turn.
 
 The last line is ``decode_gb_s=.. blosc_gb_s=.. zstd_ceiling_gb_s=.. encode_gb_s=..
-encode_vs_1024_table=..`` (the worse data set).
+encode_vs_1024_table=.. streamed_vs_cached_batch=..`` (the worse data set).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from tools.timing import best_of  # noqa: E402
 
 FRAME_HEADER = 16 + 4  # blosc header + the one block's start offset
 # The encoder's baseline: split-zstd's parameters with a 1024-entry match finder.
+# The batches decoded into: several times any cache, so each place is cold when it is written.
+RING_BYTES = 256 << 20
 TABLE_1024_PARAMS = {**SPLIT_ZSTD_PARAMS, "hash_log": 10}
 _LIB = ctypes.CDLL(blosc.__file__)
 zstd_create = _LIB.ZSTD_createDCtx
@@ -100,6 +105,20 @@ def measure(name: str, states: torch.Tensor, repeats: int) -> dict[str, float]:
         for c in chunks:
             np.copyto(out, c.view(np.uint8).reshape(-1))
 
+    ring = np.ones(RING_BYTES // nbytes * nbytes, np.uint8)  # touched now, not while timed
+    places = ring.reshape(-1, nbytes)
+    turn = [0]  # where the next pass starts: a pass never finds its places warm from the last
+
+    def into_batches(stream: bool) -> Callable[[], None]:
+        def decode() -> None:
+            k = turn[0]
+            for e in encoded:
+                codec.decode_into(memoryview(e), places[k], what=name, crc=False, stream=stream)
+                k = (k + 1) % len(places)
+            turn[0] = k
+
+        return decode
+
     total = nbytes * len(chunks)
     encoders = {
         "encode": codec,
@@ -128,15 +147,17 @@ def measure(name: str, states: torch.Tensor, repeats: int) -> dict[str, float]:
             ("c-blosc", c_blosc),
             ("exponent stream", exponent_stream),
             ("copy", copy),
+            ("into batches, cached", into_batches(False)),
+            ("into batches, streamed", into_batches(True)),
         ]
     }
     ratio = total / sum(len(e) for e in encoded)
     print(f"\n{name}: {len(chunks)} chunks of {nbytes >> 10} KiB, ratio {ratio:.3f}")
     for label, rate in rates.items():
-        print(f"  {label:16s} {rate:6.2f} GB/s")
+        print(f"  {label:22s} {rate:6.2f} GB/s")
     for label, seconds in encode_s.items():
         rates[label] = total / seconds / 1e9
-        print(f"  {label:16s} {rates[label]:6.2f} GB/s  ratio {total / encoded_bytes[label]:.4f}")
+        print(f"  {label:22s} {rates[label]:6.2f} GB/s  ratio {total / encoded_bytes[label]:.4f}")
     return rates
 
 
@@ -162,6 +183,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "zstd_ceiling_gb_s": min(r["exponent stream"] for r in results),
         "encode_gb_s": min(r["encode"] for r in results),
         "encode_vs_1024_table": min(r["encode"] / r["encode, 1024"] for r in results),
+        "streamed_vs_cached_batch": min(
+            r["into batches, streamed"] / r["into batches, cached"] for r in results
+        ),
     }
     print("\n" + " ".join(f"{k}={v:.2f}" for k, v in figures.items()))
     return figures

@@ -4,12 +4,14 @@
   as `tools/bench_codec.py` times it;
 * `codec_files_runner`: the chunks got as any reader of the files must get them (a memory map,
   its pages dropped after each shard, or a ``preadv`` per chunk into a reused buffer) and
-  decoded without crc one after another into a batch-sized buffer. With ``how="checked"``
-  they are read with ``preadv`` and every decoded chunk also goes through XXH3, as a loader's
-  whole-sample checksum takes it: the bound of a loader on one core that reads its files the
-  way hsstore does (no memory maps) and verifies what it delivers;
+  decoded without crc one after another into a batch-sized buffer, around the caches (the
+  codec's ``stream``) as a loader decodes batches. With ``how="checked"`` they are read with
+  ``preadv`` and every decoded chunk also goes through XXH3 at once (so it is decoded into the
+  cache), as a whole-sample checksum taken inline does: the bound of a loader on one core that
+  reads its files the way hsstore does (no memory maps) and verifies what it delivers;
 * `codec_held_runner`: the chunks held in memory as for `codec_runner`, decoded without crc
-  into a batch-sized buffer, so only the destination differs from `codec_runner`: the rate no
+  into a batch-sized buffer around the caches, so only the destination (and the stores that
+  suit it) differs from `codec_runner`: the rate no
   loader on one core passes, whatever it does about reads and checks, since every batch it
   delivers lands in such memory;
 * `codec_pipelined_runner`: `codec_files_runner`'s "checked" work cut into three threads: one
@@ -89,7 +91,7 @@ def codec_held_runner(path: Path, batch_bytes: int):
 
     def run(epoch: int) -> int:
         for k, chunk in enumerate(chunks):
-            codec.decode_into(chunk, outs[k % len(outs)], what="codec", crc=False)
+            codec.decode_into(chunk, outs[k % len(outs)], what="codec", crc=False, stream=True)
         return len(chunks) * man.chunk_nbytes
 
     return run
@@ -124,7 +126,8 @@ def codec_files_runner(path: Path, batch_bytes: int, how: str):
                     os.preadv(fd, [staging[:n]], o)
                     chunk = staging[:n]
                 out = outs[k % len(outs)]
-                codec.decode_into(chunk, out, what="codec", crc=False)
+                # hashed at once, so decoded into the cache; else around it, as a loader does
+                codec.decode_into(chunk, out, what="codec", crc=False, stream=hasher is None)
                 if hasher is not None:
                     hasher.update(out)
                 k += 1
@@ -189,7 +192,7 @@ def codec_pipelined_runner(path: Path, batch_bytes: int, group: int = 16):
             places = []
             for view in views:
                 out = outs[k % len(outs)]
-                codec.decode_into(view, out, what="codec", crc=False)
+                codec.decode_into(view, out, what="codec", crc=False, stream=True)
                 places.append(out)
                 k += 1
             free.put(slot)

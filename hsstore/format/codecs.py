@@ -20,7 +20,9 @@ high bytes of a chunk together, apart from the low bytes.
   zarr-python) decodes them with no knowledge of how they were made (c-blosc 1.x ``blosc.c``,
   ``blosc_d``: a split whose compressed size equals its size is copied, any other is
   zstd-decoded). hsstore decodes the frames of 2-byte values it writes the same way itself
-  (`_SplitDecoder`), keeping a zstd context per thread where c-blosc makes one per call.
+  (`_SplitDecoder`), keeping a zstd context per thread where c-blosc makes one per call, and
+  joining the two byte planes in one compiled pass (`hsstore.format._planes`) that can write
+  around the caches.
 - ``blosc-zstd``: c-blosc's own encoder, zstd level 1 over the whole shuffled block.
 - ``none``: raw bytes (+ crc32c).
 """
@@ -42,6 +44,7 @@ import numpy as np
 import zstandard
 
 from hsstore.errors import FormatError, IntegrityError
+from hsstore.format._planes import join_planes
 
 # numcodecs (0.16.4 and later) warns on import when it finds the crc32c package rather than
 # google-crc32c, through a filter of its own that shows the warning: a stray line in front of
@@ -95,10 +98,6 @@ SPLIT_ZSTD_PARAMS: Mapping[str, int] = MappingProxyType(
 _PROBE_BYTES = 1024
 _STREAM_LENGTH = struct.Struct("<i")
 _DECODE_STATE = threading.local()  # `_SplitDecoder._thread_state`
-# Chunks up to this size are decoded by `_SplitDecoder`, larger ones by c-blosc: the per-call
-# zstd context c-blosc makes costs 1.1-2.5x on chunks of 4-256 KiB, while on larger chunks its
-# one-pass SIMD unshuffle beats joining the bytes in numpy, which writes the output twice.
-_OWN_DECODE_MAX_BYTES = 256 << 10
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -319,10 +318,20 @@ class ChunkCodec:
         return body
 
     def decode_into(
-        self, encoded: memoryview, out: memoryview | np.ndarray, *, what: str, crc: bool = True
+        self,
+        encoded: memoryview,
+        out: memoryview | np.ndarray,
+        *,
+        what: str,
+        crc: bool = True,
+        stream: bool = False,
     ) -> None:
         """Check ``encoded`` (crc32c unless ``crc`` is false, decoded size = ``len(out)``, a
         1-d byte buffer) and decode it into ``out``.
+
+        ``stream`` writes split-zstd values around the caches, for an ``out`` this thread does
+        not read again soon (a loader's batch): an ordinary store first reads each destination
+        line from memory only to overwrite it. Other frames decode as without it.
 
         Leave the crc out only where a checksum of the decoded bytes is verified instead (a
         whole-sample read): the size and frame checks still run, and c-blosc and zstd decode
@@ -332,11 +341,7 @@ class ChunkCodec:
         """
         nbytes = len(out)
         body = self.check(encoded, nbytes, what=what, crc=crc)
-        if (
-            self._split is not None
-            and nbytes <= _OWN_DECODE_MAX_BYTES
-            and self._split.decode_into(body, out, what=what)
-        ):
+        if self._split is not None and self._split.decode_into(body, out, what=what, stream=stream):
             return
         if self._compressed:
             # `check` made sure the frame's sizes match ``body`` and ``out``, so c-blosc reads
@@ -353,10 +358,10 @@ class _SplitDecoder:
     streams), the way c-blosc does (a stream of the block's half size is raw, any other is one
     zstd frame of exactly that size), but with a zstd context kept per thread: c-blosc makes
     and frees one per call, about 20 us, which is as long as decoding a 24 KiB chunk. The two
-    bytes of each value are then joined as ``high * 256 + low`` in 16-bit arithmetic.
+    byte planes are then joined into values in one compiled pass (`join_planes`), which
+    writes around the caches where asked to (c-blosc's unshuffle always goes through them).
 
-    A frame of any other shape, or larger than `_OWN_DECODE_MAX_BYTES`, is left to c-blosc
-    (`decode_into` returns False)."""
+    A frame of any other shape is left to c-blosc (`decode_into` returns False)."""
 
     _FLAGS = _ZSTD_FORMAT_FLAGS | _FLAG_SHUFFLE
     _FIRST_STREAM = _BLOSC_HEADER.size + 4  # after the header and the block's start offset
@@ -371,9 +376,12 @@ class _SplitDecoder:
             state = _DECODE_STATE.state = (context, np.empty(nbytes, np.uint8))
         return state
 
-    def decode_into(self, body: memoryview, out: memoryview | np.ndarray, *, what: str) -> bool:
-        """Decode ``body`` (a frame that passed `ChunkCodec.check`) into ``out``; False, having
-        written nothing, when the frame is not of the shape this decoder reads."""
+    def decode_into(
+        self, body: memoryview, out: memoryview | np.ndarray, *, what: str, stream: bool
+    ) -> bool:
+        """Decode ``body`` (a frame that passed `ChunkCodec.check`) into ``out`` (around the
+        caches with ``stream``); False, having written nothing, when the frame is not of the
+        shape this decoder reads."""
         _, _, flags, typesize, nbytes, blocksize, _ = _BLOSC_HEADER.unpack_from(body)
         half = nbytes // 2
         if (
@@ -381,7 +389,6 @@ class _SplitDecoder:
             or typesize != 2
             or blocksize != nbytes
             or half < _MIN_SPLIT_BYTES
-            or nbytes > _OWN_DECODE_MAX_BYTES
             or nbytes % 2
             or _STREAM_LENGTH.unpack_from(body, _BLOSC_HEADER.size)[0] != self._FIRST_STREAM
         ):
@@ -398,20 +405,18 @@ class _SplitDecoder:
         if at != len(body):
             return False
         context, scratch = self._thread_state(nbytes)
-        src, at = np.frombuffer(body, np.uint8), _address(body)
+        at = _address(body)
         planes = []
         for b, (start, n) in enumerate(lengths):
             if n == half:
-                planes.append(src[start : start + n])
+                planes.append(body[start : start + n])
                 continue
             plane = scratch[b * half : (b + 1) * half]
             got = _zstd_decompress_dctx(context.pointer, _address(plane), half, at + start, n)
             if got != half:  # an error code (a huge size_t) or a short stream
                 raise IntegrityError("chunk does not decode (zstd stream)", path=what)
             planes.append(plane)
-        values = np.frombuffer(out, np.uint16)
-        np.multiply(planes[1], np.uint16(256), out=values, dtype=np.uint16)
-        np.add(values, planes[0], out=values, casting="unsafe")
+        join_planes(out, planes[0], planes[1], stream)
         return True
 
 
