@@ -13,7 +13,6 @@ import torch
 
 from hsstore.errors import IntegrityError
 from hsstore.format import codecs
-from hsstore.format._planes import join_planes
 from hsstore.format.codecs import ChunkCodec, CodecConfig
 from hsstore.format.tiers import round_mantissa
 from tools.synthetic import llm_like_states
@@ -63,27 +62,20 @@ def test_own_decoder_gives_what_c_blosc_gives(kind, rows, hidden, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("offset", [0, 1, 2, 6, 16])
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 100, 4099])
-def test_join_planes_interleaves_at_any_alignment(stream, offset, n):
-    """The stores around the caches need aligned destinations: every start and length, even
-    an odd address (no aligned stores at all), gives the same bytes, and nothing past them."""
-    rng = np.random.default_rng(n + offset)
-    low, high = rng.integers(0, 256, n, np.uint8), rng.integers(0, 256, n, np.uint8)
-    held = np.full(2 * n + offset + 8, 0xAB, np.uint8)
-    out = held[offset : offset + 2 * n]
-    join_planes(out, low.tobytes(), memoryview(high), stream)
-    assert (out[0::2] == low).all() and (out[1::2] == high).all()
-    assert (held[:offset] == 0xAB).all() and (held[offset + 2 * n :] == 0xAB).all()
-
-
-def test_join_planes_refuses_buffers_that_do_not_fit():
-    out = np.zeros(10, np.uint8)
-    for low, high in ((b"abcd", b"abc"), (b"abcd", b"abcd"), (b"abcdef", b"abcdef")):
-        with pytest.raises(ValueError, match="do not fill 10 bytes"):
-            join_planes(out, low, high)
-    with pytest.raises(TypeError):
-        join_planes(b"read-only!", b"abcde", b"abcde")
-    assert not out.any()
+@pytest.mark.parametrize("hidden", [64, 65, 72, 2050])
+def test_decoding_into_any_place_writes_exactly_the_chunk(stream, offset, hidden):
+    """Stores around the caches need aligned destinations: a chunk decoded at any offset of a
+    buffer, even an odd address (no aligned stores at all), and of any length (a tail past
+    the last full store), gives the same bytes and writes nothing outside its place."""
+    codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    for kind in ("lossless", "noise"):
+        chunk = chunk_of(kind, 2, hidden)
+        encoded = frame(codec, chunk)
+        held = np.full(chunk.nbytes + offset + 64, 0xAB, np.uint8)
+        out = held[offset : offset + chunk.nbytes]
+        codec.decode_into(memoryview(encoded), out, what="test", crc=False, stream=stream)
+        assert out.tobytes() == chunk.tobytes()
+        assert (held[:offset] == 0xAB).all() and (held[offset + chunk.nbytes :] == 0xAB).all()
 
 
 @pytest.mark.parametrize("name", ["split-zstd", "split-zstd by c-blosc", "blosc-zstd"])
@@ -141,6 +133,32 @@ def test_a_damaged_stream_is_an_integrity_error_naming_the_chunk():
         with pytest.raises(IntegrityError, match="does not decode") as info:
             codec.decode_into(memoryview(bytes(bad)), out, what="shard 0 chunk (0, 0)", crc=False)
         assert "shard 0 chunk (0, 0)" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_damaged_frames_decode_or_fail_cleanly():
+    """The compiled decoder trusts nothing in a frame: with any bytes of the header, the
+    stream lengths or the streams changed, or the frame cut short, a decode gives bytes or an
+    IntegrityError (c-blosc's, for a frame no longer of the split shape), never a crash."""
+    codec = ChunkCodec(CodecConfig(name="split-zstd"), 2)
+    chunk = chunk_of("m2", 32, 384)
+    encoded = np.frombuffer(frame(codec, chunk), np.uint8)
+    first = codecs._BLOSC_HEADER.size + 4
+    rng = np.random.default_rng(7)
+    out = np.empty(chunk.nbytes, np.uint8)
+    outcomes = set()
+    for _ in range(400):
+        bad = encoded.copy()
+        where = rng.integers(0, first + 8) if rng.random() < 0.7 else rng.integers(0, len(bad))
+        bad[where] = rng.integers(0, 256)
+        if rng.random() < 0.2:
+            bad = bad[: rng.integers(1, len(bad))]
+        try:
+            codec.decode_into(memoryview(bad.tobytes()), out, what="chunk (0, 0)", crc=False)
+            outcomes.add("decoded")
+        except IntegrityError as exc:
+            assert "chunk (0, 0)" in str(exc)
+            outcomes.add("refused")
+    assert outcomes == {"decoded", "refused"}
 
 
 def test_a_process_that_decoded_exits_without_a_word():

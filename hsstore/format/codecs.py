@@ -20,9 +20,9 @@ high bytes of a chunk together, apart from the low bytes.
   zarr-python) decodes them with no knowledge of how they were made (c-blosc 1.x ``blosc.c``,
   ``blosc_d``: a split whose compressed size equals its size is copied, any other is
   zstd-decoded). hsstore decodes the frames of 2-byte values it writes the same way itself
-  (`_SplitDecoder`), keeping a zstd context per thread where c-blosc makes one per call, and
-  joining the two byte planes in one compiled pass (`hsstore.format._planes`) that can write
-  around the caches.
+  (`_SplitDecoder`, compiled: `hsstore.format._split_decoder`), keeping a zstd context per
+  thread where c-blosc makes one per call, and joining the two byte planes in one pass that
+  can write around the caches.
 - ``blosc-zstd``: c-blosc's own encoder, zstd level 1 over the whole shuffled block.
 - ``none``: raw bytes (+ crc32c).
 """
@@ -44,7 +44,7 @@ import numpy as np
 import zstandard
 
 from hsstore.errors import FormatError, IntegrityError
-from hsstore.format._planes import join_planes
+from hsstore.format._split_decoder import decode_split_frame
 
 # numcodecs (0.16.4 and later) warns on import when it finds the crc32c package rather than
 # google-crc32c, through a filter of its own that shows the warning: a stray line in front of
@@ -64,15 +64,12 @@ _blosc_decompress_ctx = _BLOSC_LIB.blosc_decompress_ctx
 _blosc_decompress_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _blosc_decompress_ctx.restype = ctypes.c_int
 # zstd's decoder from the same library (c-blosc links it in), for the streams of split-zstd
-# frames (`_SplitDecoder`).
+# frames: compiled code calls it by address (`_SplitDecoder`, `decode_split_frame`).
 _zstd_create_dctx = _BLOSC_LIB.ZSTD_createDCtx
 _zstd_create_dctx.restype = ctypes.c_void_p
 _zstd_free_dctx = _BLOSC_LIB.ZSTD_freeDCtx
 _zstd_free_dctx.argtypes = [ctypes.c_void_p]
-_zstd_decompress_dctx = _BLOSC_LIB.ZSTD_decompressDCtx
-_zstd_decompress_dctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_void_p, ctypes.c_size_t]  # fmt: skip
-_zstd_decompress_dctx.restype = ctypes.c_size_t
+_ZSTD_DECOMPRESS_AT = ctypes.cast(_BLOSC_LIB.ZSTD_decompressDCtx, ctypes.c_void_p).value
 
 CODEC_NAMES = ("split-zstd", "blosc-zstd", "blosc-lz4", "none")
 DEFAULT_CODEC = "split-zstd"
@@ -96,7 +93,6 @@ SPLIT_ZSTD_PARAMS: Mapping[str, int] = MappingProxyType(
     dict(min_match=7, search_log=1, hash_log=9, window_log=17)
 )
 _PROBE_BYTES = 1024
-_STREAM_LENGTH = struct.Struct("<i")
 _DECODE_STATE = threading.local()  # `_SplitDecoder._thread_state`
 
 
@@ -357,14 +353,15 @@ class _SplitDecoder:
     """Decodes the split-zstd frames of 2-byte values that `ChunkCodec` writes (one block, two
     streams), the way c-blosc does (a stream of the block's half size is raw, any other is one
     zstd frame of exactly that size), but with a zstd context kept per thread: c-blosc makes
-    and frees one per call, about 20 us, which is as long as decoding a 24 KiB chunk. The two
-    byte planes are then joined into values in one compiled pass (`join_planes`), which
-    writes around the caches where asked to (c-blosc's unshuffle always goes through them).
+    and frees one per call, about 20 us, which is as long as decoding a 24 KiB chunk. One
+    compiled call (`decode_split_frame`, without the GIL) reads the frame, decodes its zstd
+    streams into this thread's scratch and joins the two byte planes into values in one
+    pass, which writes around the caches where asked to (c-blosc's unshuffle always goes
+    through them).
 
     A frame of any other shape is left to c-blosc (`decode_into` returns False)."""
 
     _FLAGS = _ZSTD_FORMAT_FLAGS | _FLAG_SHUFFLE
-    _FIRST_STREAM = _BLOSC_HEADER.size + 4  # after the header and the block's start offset
 
     @staticmethod
     def _thread_state(nbytes: int) -> tuple[_ZstdContext, np.ndarray]:
@@ -382,42 +379,12 @@ class _SplitDecoder:
         """Decode ``body`` (a frame that passed `ChunkCodec.check`) into ``out`` (around the
         caches with ``stream``); False, having written nothing, when the frame is not of the
         shape this decoder reads."""
-        _, _, flags, typesize, nbytes, blocksize, _ = _BLOSC_HEADER.unpack_from(body)
-        half = nbytes // 2
-        if (
-            flags != self._FLAGS
-            or typesize != 2
-            or blocksize != nbytes
-            or half < _MIN_SPLIT_BYTES
-            or nbytes % 2
-            or _STREAM_LENGTH.unpack_from(body, _BLOSC_HEADER.size)[0] != self._FIRST_STREAM
-        ):
-            return False
-        lengths, at = [], self._FIRST_STREAM
-        for _ in range(2):
-            if at + 4 > len(body):
-                return False
-            (n,) = _STREAM_LENGTH.unpack_from(body, at)
-            if not 0 < n <= len(body) - at - 4:
-                return False
-            lengths.append((at + 4, n))
-            at += 4 + n
-        if at != len(body):
-            return False
-        context, scratch = self._thread_state(nbytes)
-        at = _address(body)
-        planes = []
-        for b, (start, n) in enumerate(lengths):
-            if n == half:
-                planes.append(body[start : start + n])
-                continue
-            plane = scratch[b * half : (b + 1) * half]
-            got = _zstd_decompress_dctx(context.pointer, _address(plane), half, at + start, n)
-            if got != half:  # an error code (a huge size_t) or a short stream
-                raise IntegrityError("chunk does not decode (zstd stream)", path=what)
-            planes.append(plane)
-        join_planes(out, planes[0], planes[1], stream)
-        return True
+        context, scratch = self._thread_state(len(out))
+        got = decode_split_frame(out, body, scratch, context.pointer, _ZSTD_DECOMPRESS_AT,
+                                 self._FLAGS, _MIN_SPLIT_BYTES, stream)  # fmt: skip
+        if got < 0:
+            raise IntegrityError("chunk does not decode (zstd stream)", path=what)
+        return got == 1
 
 
 class _ZstdContext:
