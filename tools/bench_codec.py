@@ -47,9 +47,9 @@ from tools.timing import best_of  # noqa: E402
 
 FRAME_HEADER = 16 + 4  # blosc header + the one block's start offset
 # The encoder's baseline: split-zstd's parameters with a 1024-entry match finder.
+TABLE_1024_PARAMS = {**SPLIT_ZSTD_PARAMS, "hash_log": 10}
 # The batches decoded into: several times any cache, so each place is cold when it is written.
 RING_BYTES = 256 << 20
-TABLE_1024_PARAMS = {**SPLIT_ZSTD_PARAMS, "hash_log": 10}
 _LIB = ctypes.CDLL(blosc.__file__)
 zstd_create = _LIB.ZSTD_createDCtx
 zstd_create.restype = ctypes.c_void_p

@@ -11,9 +11,8 @@
   reads its files the way hsstore does (no memory maps) and verifies what it delivers;
 * `codec_held_runner`: the chunks held in memory as for `codec_runner`, decoded without crc
   into a batch-sized buffer around the caches, so only the destination (and the stores that
-  suit it) differs from `codec_runner`: the rate no
-  loader on one core passes, whatever it does about reads and checks, since every batch it
-  delivers lands in such memory;
+  suit it) differs from `codec_runner`: the rate no loader on one core passes, whatever it
+  does about reads and checks, since every batch it delivers lands in such memory;
 * `codec_pipelined_runner`: `codec_files_runner`'s "checked" work cut into three threads: one
   reads the chunks with ``preadv``, this one only decodes (no crc) into batch-sized memory,
   and a third runs XXH3 over what was decoded: the bound of a loader whose decode thread

@@ -92,7 +92,7 @@ static int decode_split(uint8_t *out, size_t out_len, const uint8_t *body, size_
         if (at + 4 > len)
             return 0;
         size_t n = read_u32(body + at);
-        if (n == 0 || n > len - at - 4 || n > 0x7fffffff)
+        if (n == 0 || n > len - at - 4)
             return 0;
         planes[b] = body + at + 4;
         if (n != half) {
