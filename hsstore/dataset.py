@@ -36,7 +36,7 @@ from hsstore.sample_checks import (
     check_sample,
     check_samples,
     hand_off_as_sample,
-    sample_errors,
+    raise_as_sample_error,
     token_columns,
 )
 from hsstore.segment import SegmentReader
@@ -438,7 +438,7 @@ class Dataset:
         crc = False if checked and deferred else None
         cols: tuple[np.ndarray, np.ndarray, np.ndarray | None] = (_NO_ROWS, _NO_ROWS, None)
         where = (self.storage, reader, self.sample_ids[i])
-        with sample_errors(*where):
+        try:  # not a context manager: on small samples this runs once per sample of a batch
             hand_off = runs_to and functools.partial(hand_off_as_sample, runs_to, where)
             reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc,
                              threads=threads, runs_to=hand_off, stream=stream)  # fmt: skip
@@ -446,6 +446,8 @@ class Dataset:
                 cols = token_columns(reader, row, n)
             if hasher is not None:
                 check_sample(hasher, cols, int(self._index.checksum[i]), *where)
+        except (HsstoreError, OSError) as exc:
+            raise_as_sample_error(exc, *where)
         return cols
 
     def check_decoded(self, out: torch.Tensor, unchecked: Iterable[tuple[int, int]]) -> None:

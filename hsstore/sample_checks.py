@@ -4,8 +4,7 @@ to a thread of its own (`Dataset.check_decoded`, the loader's checker)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn
 
 import numpy as np
@@ -21,22 +20,13 @@ from hsstore.segment_rows import ShardRun
 from hsstore.segment_set import is_damage
 
 
-@contextlib.contextmanager
-def sample_errors(storage: Storage, reader: SegmentReader, sample_id: str) -> Iterator[None]:
-    """Report a failed read of one sample as the sample's (`raise_as_sample_error`)."""
-    try:
-        yield
-    except (HsstoreError, OSError) as exc:
-        raise_as_sample_error(exc, storage, reader, sample_id)
-
-
 def raise_as_sample_error(
     exc: HsstoreError | OSError, storage: Storage, reader: SegmentReader, sample_id: str
 ) -> NoReturn:
     """Raise a failed read of one sample as the sample's: damage to committed files as an
     `IntegrityError`, a storage that failed to answer as a `StorageError`, both naming it;
-    any other OSError as it is. (A loop over many samples calls this in its ``except``: a
-    context manager per sample costs a tenth of hashing a small one.)"""
+    any other OSError as it is. (Reads call this in their ``except``: a context manager per
+    sample costs a tenth of hashing a small one.)"""
     if isinstance(exc, HsstoreError):
         cls = IntegrityError if is_damage(exc) else StorageError
         raise cls(exc.message, path=exc.path, sample_id=sample_id) from exc

@@ -51,40 +51,43 @@ def read_raw_rows(
     reader: ShardSource, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
 ) -> None:
     """Uncompressed, all layers: the wanted rows of each chunk are one byte range of the shard
-    (`raw_rows_range`), read straight into ``out`` (the
-    storage reads ranges that lie nearly back to back together). The whole-sample checksum
-    verifies the bytes, since a partial chunk cannot be checked against its crc."""
+    (`raw_rows_range`), read straight into ``out`` (the storage reads ranges that lie nearly
+    back to back together). The whole-sample checksum verifies the bytes, since a partial
+    chunk cannot be checked against its crc. On small samples this runs once per sample of a
+    batch, so the per-shard work is kept to plain integers and views of one flat view."""
     layout = reader.manifest.layout
     rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, reader.row_bytes_chunk
+    flat = memoryview(out_bytes).cast("B")
     c, last = start // rpc, (stop - 1) // rpc
     while c <= last:  # shard by shard
         shard = c // cps
-        end = min(last, (shard + 1) * cps - 1)
+        base = shard * cps
+        end = min(last, base + cps - 1)
         key = reader.key(paths.shard_relpath(shard))
         ranges, into = [], []
-        for local, _, offset, _ in reader.shard_index(shard).chunks(
-            c - shard * cps, end - shard * cps, [0]
-        ):
-            crow0 = (shard * cps + local) * rpc
+        for offset in reader.shard_index(shard).offsets(c - base, end - base):
+            crow0 = c * rpc
             if offset == EMPTY:
                 raise IntegrityError(
-                    f"chunk ({crow0 // rpc}, 0) of committed rows is missing",
-                    path=reader.storage.path_of(key),
+                    f"chunk ({c}, 0) of committed rows is missing", path=reader.storage.path_of(key)
                 )
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
             ranges.append(raw_rows_range(offset, lo - crow0, hi - lo, rb))
-            into.append(memoryview(out_bytes[lo - start : hi - start]).cast("B"))
-        for (_, nbytes), got in zip(
-            ranges,
-            # taken whole inside read_io: an I/O error surfaces while the ranges are read
-            read_io(lambda k=key, r=ranges, b=into: list(reader.storage.read_ranges(k, r, b))),
-            strict=True,
-        ):
-            if len(got) != nbytes:
+            into.append(flat[(lo - start) * rb : (hi - start) * rb])
+            c += 1
+        # taken whole inside read_io: an I/O error surfaces while the ranges are read
+        got = read_io(_read_all, reader.storage, key, ranges, into)
+        for (_, nbytes), view in zip(ranges, got, strict=True):
+            if len(view) != nbytes:
                 raise IntegrityError("shard is truncated", path=reader.storage.path_of(key))
             if hasher is not None:
-                hasher.update(got)
-        c = end + 1
+                hasher.update(view)
+
+
+def _read_all(
+    storage: Storage, key: str, ranges: list[tuple[int, int]], into: list[memoryview]
+) -> list[memoryview]:
+    return list(storage.read_ranges(key, ranges, into))
 
 
 class RowsRead:

@@ -13,6 +13,7 @@ def test_every_case_reports_a_rate(tmp_path, capsys):
     assert list(rates) == [
         "raw, one buffer",
         "raw, batch ring",
+        "raw without XXH3, one buffer",
         "raw without XXH3, batch ring",
         "  + XXH3 on a thread",
         "  + XXH3 in a process",

@@ -102,17 +102,23 @@ def test_truncated_shard(tmp_path):
         hsstore.open(tmp_path / "ds").get(last)
 
 
-def test_shard_shortened_after_its_index_was_read(tmp_path):
-    """Chunks are read through a memory map of the shard: a file that became shorter than the
-    index says is refused with a clear error, never read past its end."""
-    ds = _build(tmp_path / "ds", "split-zstd")
-    before = ds.get("s0").hidden  # loads the shard index and maps the shard
-    ds.close()  # releases the map (a mapped file must not shrink)
+@pytest.mark.parametrize("codec", ["split-zstd", "none"])
+def test_shard_shortened_after_its_index_was_read(tmp_path, codec):
+    """A shard that became shorter than the index read before says is refused with a clear
+    error naming it and the sample, never read past its end: by a sample's read and by a
+    batch's (uncompressed rows go straight into the caller's buffer)."""
+    ds = _build(tmp_path / "ds", codec)
+    before = ds.get("s0").hidden  # loads the shard index
+    ds.close()  # closes the shard's descriptor, so the next read opens the shortened file
     shard = _shards(ds)[0]
     shard.write_bytes(shard.read_bytes()[:64])
     with pytest.raises(hsstore.IntegrityError, match="truncated") as info:
         ds.get("s0")
-    assert str(shard) in str(info.value)
+    assert str(shard) in str(info.value) and info.value.sample_id == "s0"
+    batch = torch.empty(sum(LENGTHS), 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(hsstore.IntegrityError, match="truncated") as info:
+        ds.read_hidden_many_into(batch, [(1, 0), (0, LENGTHS[1])], unchecked=[])
+    assert str(shard) in str(info.value) and info.value.sample_id == "s1"
     assert before.shape[0] == LENGTHS[0]
 
 

@@ -10,8 +10,9 @@ one thread, every case interleaved round after round in one process:
   positions in a ring of ``--ring`` batch buffers (``--huge``: the loader's own, in 2 MiB pages
   where the kernel has them, `host_memory`): the cost of writing into memory that is not in
   cache;
-* ``raw without XXH3, batch ring``: the same reads into the ring, unhashed: what a loader's
-  decode thread pays when the checksums are taken elsewhere; ``+ XXH3 on a thread`` / ``in a
+* ``raw without XXH3, one buffer`` / ``batch ring``: the same reads, unhashed: the kernel's
+  copy alone, into a buffer that stays in cache or into memory that does not (what a loader's
+  decode thread pays when the checksums are taken elsewhere); ``+ XXH3 on a thread`` / ``in a
   process``: with as many bytes hashed sample by sample, one batch behind the reads, as the
   loader's checker does, by a thread of this process or by a child process (the thread
   shares the interpreter's lock with the reads, the process only the memory traffic);
@@ -173,11 +174,12 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
             out.append(list(zip(s[order].tolist(), starts[order].tolist())))
         return out
 
-    def raw_one() -> None:
+    def raw_one(hash_: bool = True) -> None:
         for fd, offset, n in where:
             dst = memoryview(one_bytes[:n])
             os.preadv(fd, [dst], offset)
-            xxhash.xxh3_64(dst).intdigest()
+            if hash_:
+                xxhash.xxh3_64(dst).intdigest()
 
     def raw_ring(hash_: bool = True, beside: BesideHasher | None = None) -> None:
         for j, batch in enumerate(plan_positions()):
@@ -220,6 +222,7 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
     cases = {
         "raw, one buffer": raw_one,
         "raw, batch ring": raw_ring,
+        "raw without XXH3, one buffer": lambda: raw_one(hash_=False),
         "raw without XXH3, batch ring": lambda: raw_ring(hash_=False),
         "  + XXH3 on a thread": lambda: raw_ring(hash_=False, beside=on_thread),
         "  + XXH3 in a process": lambda: raw_ring(hash_=False, beside=in_process),

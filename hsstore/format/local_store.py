@@ -28,6 +28,8 @@ from hsstore.format.store import TEMP_PREFIX, ObjectInfo, Storage, holds
 _RUN_BYTES = 4 << 20
 _GAP_BYTES = 64
 _MAX_IOV = 1000
+# Where the gaps of a run go: bytes never looked at, so every thread shares it.
+_JUNK = memoryview(bytearray(_GAP_BYTES))
 # A buffer of the reading thread's that a read without ``into`` lands its ranges in, one after
 # another: decoding from a copy that sits in the core's cache runs faster than decoding from a
 # memory map of the page cache, whose pages must be faulted in (and dropped again, or the
@@ -163,7 +165,6 @@ class LocalStorage(Storage):
         if sum(nbytes for _, nbytes in ranges) > _RUN_BYTES:
             with contextlib.suppress(OSError):  # a hint fails nothing
                 self.will_read(key, read_ahead.merged(ranges))
-        junk = memoryview(bytearray(_GAP_BYTES))
         fd = self._open_fd(key)
         try:
             k = 0
@@ -176,7 +177,7 @@ class LocalStorage(Storage):
                     if not 0 <= offset - end <= _GAP_BYTES:
                         break
                     if offset > end:
-                        iov.append(junk[: offset - end])
+                        iov.append(_JUNK[: offset - end])
                     iov.append(into[k][:nbytes])
                     end, k = offset + nbytes, k + 1
                 if _preadv_full(fd, iov, start) == end - start:

@@ -86,6 +86,10 @@ class ShardIndex:
         offset, nbytes = self.entries[local, layer_chunk].tolist()
         return offset, nbytes
 
+    def offsets(self, first: int, last: int) -> list[int]:
+        """The offsets of row chunks ``first..last`` (local to the shard), of layer chunk 0."""
+        return self.entries[first : last + 1, 0, 0].tolist()
+
     def chunks(
         self, first: int, last: int, layer_chunks: Sequence[int]
     ) -> list[tuple[int, int, int, int]]:
