@@ -97,6 +97,11 @@ def cpu_mem_fraction(
     return round(max(fraction, 0.01) + 0.0005, 3)
 
 
+def engine_start_lock_path() -> str:
+    """The file whose lock `engine_start_lock` takes: one per host (its temporary directory)."""
+    return os.path.join(tempfile.gettempdir(), "hsstore-sglang-cpu-engine-start.lock")
+
+
 @contextlib.contextmanager
 def engine_start_lock():
     """Held while one SGLang engine starts on CPU; engine starts on one host take turns.
@@ -109,8 +114,7 @@ def engine_start_lock():
     """
     import fcntl
 
-    path = os.path.join(tempfile.gettempdir(), "hsstore-sglang-cpu-engine-start.lock")
-    with open(path, "a") as fh:
+    with open(engine_start_lock_path(), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

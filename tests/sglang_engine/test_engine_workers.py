@@ -17,6 +17,7 @@ import torch
 from lane import ENGINE_ARGS, Reference, cli, compare, finish, run_cli, write_prompts
 
 import hsstore
+from hsstore.extract.sglang_memory import engine_start_lock_path
 
 ROWS = [
     {"text": f"Sample number {i}: the quick brown fox jumps over {i} lazy dogs."} for i in range(8)
@@ -43,6 +44,26 @@ def workers_of(proc: psutil.Process) -> list[psutil.Process]:
             continue
         if "spawn_main" in cmd:
             out.append(child)
+    return out
+
+
+def running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def start_lock_holders() -> list[tuple[int, str]]:
+    """The processes that have the file of the engine start lock open (`engine_start_lock`)."""
+    path, out = os.path.realpath(engine_start_lock_path()), []
+    for p in psutil.process_iter():
+        try:
+            if any(f.path == path for f in p.open_files()):
+                out.append((p.pid, " ".join(p.cmdline())[:120]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return out
 
 
@@ -90,10 +111,20 @@ def test_one_worker_killed_then_the_rerun_completes_the_set(setup, two_workers):
         victim = workers[0]
         # kill it once its engine's processes exist: the other worker goes on meanwhile
         # (engines on CPU start one after the other: the victim may wait for the other's)
-        while not victim.children(recursive=True) and time.monotonic() < deadline + 480:
+        while (
+            not victim.children(recursive=True)
+            and running(victim)
+            and time.monotonic() < deadline + 480
+        ):
             time.sleep(0.2)
         engine_procs = victim.children(recursive=True)
-        assert engine_procs, "the worker started no engine process"
+        if not engine_procs:  # it ended or waited first: the clues, before the CLI ends
+            alive, holders = running(victim), start_lock_holders()
+            stderr = finish(proc, timeout=300)[1]
+            raise AssertionError(
+                f"the worker started no engine process (still running: {alive}; the engine "
+                f"start lock open in {holders}); the command's stderr ends: {stderr[-3000:]}"
+            )
         victim.send_signal(signal.SIGKILL)
         # the runner ends the killed worker's process group at once, its engine's processes
         # with it, whether or not they had set their parent-death signal yet
