@@ -1,6 +1,8 @@
 """The whole-sample checksum of a decoded sample, checked in one place: by a read that hashes
 the states as they land (`Dataset.read_hidden_into`) and by a batch read that leaves the check
-to a thread of its own (`Dataset.check_decoded`, the loader's checker)."""
+to a thread of its own (`Dataset.check_decoded`, the loader's checker, which hashes a batch in
+one call without the GIL, so that the threads reading the next batch and training on the last
+one never wait for it)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import xxhash
 
 from hsstore.errors import HsstoreError, IntegrityError, StorageError
 from hsstore.format import paths
-from hsstore.format.sample_index import finish_checksum
+from hsstore.format.sample_index import finish_checksum, span_checksums
 from hsstore.format.store import Storage
 from hsstore.joined_index import JoinedIndex
 from hsstore.segment import SegmentReader
@@ -50,14 +52,24 @@ def hand_off_as_sample(
     runs_to(run)
 
 
+def segment_columns(reader: SegmentReader) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A segment's ``input_ids``, ``loss_mask`` and (scaled tiers) scales columns, whole, in
+    the order a sample checksum covers them after the states (`finish_checksum`)."""
+    scaled = reader.manifest.scaled
+    scales = reader.column(paths.SCALES) if scaled else None
+    return reader.column("input_ids"), reader.column("loss_mask"), scales
+
+
 def token_columns(
     reader: SegmentReader, row: int, n: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The stored ``input_ids``, ``loss_mask`` and (scaled tiers) scales of rows [row, row+n)."""
-    ids = reader.column("input_ids")[row : row + n]
-    mask = reader.column("loss_mask")[row : row + n]
-    scaled = reader.manifest.scaled
-    return ids, mask, reader.column(paths.SCALES)[row : row + n] if scaled else None
+    ids, mask, scales = segment_columns(reader)
+    return (
+        ids[row : row + n],
+        mask[row : row + n],
+        None if scales is None else scales[row : row + n],
+    )
 
 
 def check_sample(
@@ -86,8 +98,14 @@ def check_samples(
     sample_ids: Sequence[str],
 ) -> None:
     """Verify the checksum of each sample ``i`` decoded into ``decoded[row:]`` (the storage
-    view of a batch's rows) for each ``(i, row)`` of ``unchecked``: one loop, one ``except``."""
-    for i, first in unchecked:
+    view of a batch's rows) for each ``(i, row)`` of ``unchecked``: all of them in one call
+    that lets go of the GIL (`span_checksums`), where it can; sample by sample from the first
+    that fails it, so that its error names what is wrong."""
+    unchecked = list(unchecked)
+    failed = _first_failing(decoded, unchecked, index, readers)
+    if failed == -1:
+        return
+    for i, first in unchecked[failed or 0 :]:
         reader = readers[index.segment[i]]
         row, n = int(index.row[i]), int(index.len[i])
         try:
@@ -96,3 +114,49 @@ def check_samples(
                          reader.storage, reader, sample_ids[i])  # fmt: skip
         except (HsstoreError, OSError) as exc:
             raise_as_sample_error(exc, reader.storage, reader, sample_ids[i])
+
+
+def _first_failing(
+    decoded: np.ndarray,
+    unchecked: list[tuple[int, int]],
+    index: JoinedIndex,
+    readers: Sequence[SegmentReader],
+) -> int | None:
+    """The position in ``unchecked`` of the first sample whose checksum fails, all hashed in one
+    call (`span_checksums`: each sample's rows of ``decoded``, then its rows of each column, in
+    the order of `token_columns`); -1 if none does, None where that call cannot be made (or a
+    column cannot be read: the sample-by-sample check then names the sample)."""
+    if not unchecked:
+        return -1
+    pos = np.array([i for i, _ in unchecked], np.int64)
+    first = np.array([row for _, row in unchecked], np.int64)
+    segment, row, n = index.segment[pos], index.row[pos], index.len[pos]
+    states = decoded.reshape(decoded.shape[0], -1).view(np.uint8)
+    buffers: list[np.ndarray] = [states]
+    column_at = np.zeros(len(pos), np.int64)  # where each sample's segment's columns are
+    widths: list[int] | None = None  # bytes per row of each column
+    try:
+        for seg in np.unique(segment).tolist():
+            columns = [c for c in segment_columns(readers[seg]) if c is not None]
+            if widths not in (None, [c.strides[0] for c in columns]) or not all(
+                c.flags.c_contiguous for c in columns
+            ):
+                return None
+            widths = [c.strides[0] for c in columns]
+            column_at[segment == seg] = len(buffers)
+            buffers += columns
+    except (HsstoreError, OSError):
+        return None
+    assert widths is not None
+    spans = np.empty((len(pos), 1 + len(widths), 3), np.int64)
+    spans[:, 0] = np.stack([np.zeros_like(pos), first * states.shape[1], n * states.shape[1]], 1)
+    for j, width in enumerate(widths):
+        spans[:, 1 + j] = np.stack([column_at + j, row * width, n * width], 1)
+    try:
+        digests = span_checksums(buffers, spans)
+    except ValueError:  # rows past a column's end: the sample-by-sample check names them
+        return None
+    if digests is None:
+        return None
+    failing = np.flatnonzero(digests != index.checksum[pos].astype(np.uint64))
+    return int(failing[0]) if len(failing) else -1

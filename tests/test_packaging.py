@@ -85,9 +85,10 @@ def test_wheel_ships_the_library_and_not_the_tools(wheel):
     for needed in ("manifest.schema.json", "inspect.schema.json"):
         assert f"hsstore/schemas/{needed}" in names
     assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
-    # the compiled decoder of split-zstd frames, built for this interpreter
-    (decoder,) = [n for n in names if n.startswith("hsstore/format/_split_decoder.")]
-    assert decoder.endswith(".so") and "hsstore/format/_split_decoder.c" not in names
+    # the compiled modules (the split-zstd decoder, the batch checksums), for this interpreter
+    for module in ("_split_decoder", "_xxh3_many"):
+        (built,) = [n for n in names if n.startswith(f"hsstore/format/{module}.")]
+        assert built.endswith(".so") and f"hsstore/format/{module}.c" not in names
 
 
 # Loaded by a .pth line in the wheel's environment: makes the modules named in $HSSTORE_HIDE
