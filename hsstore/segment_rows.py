@@ -13,7 +13,7 @@ import xxhash
 from hsstore.errors import HsstoreError, IntegrityError
 from hsstore.format import paths
 from hsstore.format.codecs import ChunkCodec
-from hsstore.format.damage import read_io, read_ranges_io
+from hsstore.format.damage import read_ranges_into_io, read_ranges_io
 from hsstore.format.manifest import Manifest
 from hsstore.format.segment_layout import EMPTY, ShardIndex, raw_rows_range
 from hsstore.format.store import Storage
@@ -75,19 +75,12 @@ def read_raw_rows(
             ranges.append(raw_rows_range(offset, lo - crow0, hi - lo, rb))
             into.append(flat[(lo - start) * rb : (hi - start) * rb])
             c += 1
-        # taken whole inside read_io: an I/O error surfaces while the ranges are read
-        got = read_io(_read_all, reader.storage, key, ranges, into)
+        got = read_ranges_into_io(reader.storage, key, ranges, into)
         for (_, nbytes), view in zip(ranges, got, strict=True):
             if len(view) != nbytes:
                 raise IntegrityError("shard is truncated", path=reader.storage.path_of(key))
             if hasher is not None:
                 hasher.update(view)
-
-
-def _read_all(
-    storage: Storage, key: str, ranges: list[tuple[int, int]], into: list[memoryview]
-) -> list[memoryview]:
-    return list(storage.read_ranges(key, ranges, into))
 
 
 class RowsRead:

@@ -38,6 +38,14 @@ def read_io(read: Callable[..., _T], *args: Any) -> _T:
     raise AssertionError("unreachable")
 
 
+def read_ranges_into_io(
+    storage: Storage, key: str, ranges: Sequence[tuple[int, int]], into: Sequence[memoryview]
+) -> list[memoryview]:
+    """`Storage.read_ranges` of a committed file into the caller's buffers, taken whole under
+    the same rule (`read_io`): an I/O error surfaces while the ranges are read."""
+    return read_io(lambda: list(storage.read_ranges(key, ranges, into)))
+
+
 def read_ranges_io(
     storage: Storage, key: str, ranges: Sequence[tuple[int, int]]
 ) -> Iterator[memoryview]:

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from hsstore.format.damage import read_io
+from hsstore.format.damage import read_ranges_into_io
 from hsstore.segment_rows import ShardRun
 
 BUFFER_BYTES = 4 << 20
@@ -64,7 +64,7 @@ class ChunkPipeline:
                 into.append(view[at : at + nbytes])
                 at += nbytes
             try:
-                got = read_io(_read_into, part, ranges, into)
+                got = read_ranges_into_io(part.storage, part.key, ranges, into)
             except BaseException:
                 self._give_back(buf)
                 raise
@@ -104,9 +104,3 @@ class ChunkPipeline:
 
     def shutdown(self, wait: bool, cancel_futures: bool = False) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-
-def _read_into(run: ShardRun, ranges: list[tuple[int, int]], into: list[memoryview]) -> list:
-    """The views of ``into`` filled from ``run``'s ranges (taken whole: an I/O error surfaces
-    inside `read_io`)."""
-    return list(run.storage.read_ranges(run.key, ranges, into))
