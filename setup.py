@@ -1,6 +1,6 @@
-"""The compiled modules (the decoder of split-zstd frames, many XXH3 digests in one call);
-everything else about the package is in pyproject.toml. Portable C: SSE2 where the compiler
-targets it (every x86-64)."""
+"""The compiled modules (the decoder of split-zstd frames, many XXH3 digests in one call, many
+file ranges read in one call); everything else about the package is in pyproject.toml.
+Portable C: SSE2 where the compiler targets it (every x86-64)."""
 
 from setuptools import Extension, setup
 
@@ -8,5 +8,6 @@ setup(
     ext_modules=[
         Extension("hsstore.format._split_decoder", sources=["hsstore/format/_split_decoder.c"]),
         Extension("hsstore.format._xxh3_many", sources=["hsstore/format/_xxh3_many.c"]),
+        Extension("hsstore.format._pread_many", sources=["hsstore/format/_pread_many.c"]),
     ]
 )

@@ -40,7 +40,7 @@ from hsstore.sample_checks import (
     token_columns,
 )
 from hsstore.segment import SegmentReader
-from hsstore.segment_rows import ShardRun
+from hsstore.segment_rows import PlannedRead, RawSamplesRead
 from hsstore.segment_set import LoadedSegments, load_segments
 from hsstore.stats import LayerStats, merge_layer_stats
 from hsstore.writer import Writer
@@ -89,9 +89,7 @@ class Dataset:
         self.verify_reads = verify_reads
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._loaded: LoadedSegments | None = None
-        self._load(
-            manifest if manifest is not None else commit.load_manifest(self.storage, version)
-        )
+        self._load(manifest or commit.load_manifest(self.storage, version))
 
     def _load(self, manifest: Manifest) -> None:
         # Segments are immutable and a commit usually only appends: on refresh, keep the
@@ -247,26 +245,7 @@ class Dataset:
         """Per-token columns ``names`` (``input_ids``, ``loss_mask``, the scales of a scaled
         dataset: ``[rows]`` or ``[rows, layers]``) as stored, for the tokens `read_tokens_many`
         takes."""
-        index = self._index
-        pos, count = np.asarray(positions, np.int64), np.asarray(takes, np.int64)
-        if pos.shape != count.shape or pos.ndim != 1:
-            raise ValueError("positions and takes must be 1-d and of the same length")
-        pos = index.positions(pos)
-        for k in np.flatnonzero((count < 0) | (count > index.len[pos]))[:1].tolist():
-            sid, has = self.sample_ids[int(pos[k])], int(index.len[pos[k]])
-            raise ValueError(f"cannot take {int(count[k])} tokens of sample {sid!r} ({has} tokens)")
-        rows = np.repeat(index.row[pos] - (np.cumsum(count) - count), count)
-        rows += np.arange(len(rows))
-        segments = np.unique(index.segment[pos]).tolist()
-        if len(segments) == 1:  # usually: then no masks
-            return [self._readers[segments[0]].column(name)[rows] for name in names]
-        seg_of, out = np.repeat(index.segment[pos], count), []
-        for name in names:
-            wholes = [self._readers[seg].column(name) for seg in segments]
-            out.append(np.empty((len(rows), *wholes[0].shape[1:]), wholes[0].dtype))
-            for seg, whole in zip(segments, wholes, strict=True):
-                out[-1][seg_of == seg] = whole[rows[seg_of == seg]]
-        return out
+        return self._index.gather_columns(positions, takes, names, self._readers, self.sample_ids)
 
     def will_read(
         self, positions: Sequence[int] | np.ndarray, *, layers: Sequence[int] | None = None
@@ -302,21 +281,28 @@ class Dataset:
         *,
         layers: Sequence[int] | None = None,
         unchecked: list[tuple[int, int]] | None = None,
-        runs_to: Callable[[ShardRun], None] | None = None,
+        runs_to: Callable[[PlannedRead], None] | None = None,
     ) -> int:
         """Decode whole samples into the token rows of ``out`` ([R, len(layers), H], contiguous
         CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
         lands in ``out[row : row + T_i]``. Returns how many samples were read.
 
         The same bytes and checks as `read_hidden_into` per sample, the checks of ``out`` done
-        once. ``placed`` is drawn a pair at a time, as each read is done, so threads drawing
-        from one shared queue split a batch between them. With an ``unchecked`` list, sample
-        checksums are left to `check_decoded`, ``(position, row)`` appended for each (and with
-        ``runs_to``, compressed chunks are read and decoded there: `SegmentReader.read_rows`)."""
+        once; all layers of uncompressed segments whose checksums are left to the caller (or
+        not verified) are read a few MiB of samples at a time (`RawSamplesRead`). ``placed``
+        is drawn a pair at a time, as each is planned, so threads drawing from one shared
+        queue split a batch between them. With an ``unchecked`` list, sample checksums are left
+        to `check_decoded`, ``(position, row)`` appended for each; with ``runs_to``, compressed
+        chunks and uncompressed samples are handed to it to be read (and decoded) there
+        (`SegmentReader.read_rows`, `RawSamplesRead.flush`)."""
         layer_list = self._check_layers(layers)
         values = self._check_out(out, layer_list, None, values_ok=True)
         np_out = None if values else storage_view(out)
         defer = unchecked is not None and not values and self.verify_reads and layer_list is None
+        raw = None  # checked later or never: then a few MiB at a time, else hashed as they land
+        if np_out is not None and layer_list is None and (defer or not self.verify_reads):
+            read_one = functools.partial(self._read_alone, np_out)
+            raw = RawSamplesRead(self.storage, np_out, read_one, runs_to)
         done = 0
         for i, first in placed:
             i = self._index.position(i)
@@ -326,15 +312,26 @@ class Dataset:
                     f"sample {i} ({n} tokens) at row {first} overruns out ({out.shape[0]} rows)",
                     path=str(self.path),
                 )
-            if np_out is None:
+            if defer:
+                unchecked.append((i, first))  # type: ignore[union-attr]
+            reader = self._readers[self._index.segment[i]]
+            if raw is not None and reader.raw_rows:
+                row = int(self._index.row[i])
+                if raw.add(reader, row, row + n, i, first):
+                    raw = raw.flush()
+            elif np_out is None:
                 self._read_into(i, layer_list, out[first : first + n], values)
             else:
                 self._decode(i, layer_list, np_out[first : first + n], deferred=defer,
                              runs_to=runs_to, stream=True)  # fmt: skip
-            if defer:
-                unchecked.append((i, first))  # type: ignore[union-attr]
             done += 1
+        if raw is not None:
+            raw.flush()
         return done
+
+    def _read_alone(self, np_out: np.ndarray, i: int, first: int) -> None:
+        """Sample ``i`` read alone into ``np_out[first:]``, its checksum left to the caller."""
+        self._decode(i, None, np_out[first : first + int(self._index.len[i])], deferred=True)
 
     def read(
         self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None
@@ -422,7 +419,7 @@ class Dataset:
         columns: bool = False,
         threads: int = 1,
         deferred: bool = False,
-        runs_to: Callable[[ShardRun], None] | None = None,
+        runs_to: Callable[[PlannedRead], None] | None = None,
         stream: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the

@@ -83,6 +83,10 @@ class SegmentReader:
         self.row_bytes_chunk = (
             layout.layers_per_chunk * manifest.hidden_size * manifest.storage_dtype.itemsize
         )
+        # Rows of all layers are plain byte ranges (`read_raw_rows`, `RawSamplesRead`).
+        self.raw_rows = (
+            layout.layers_per_chunk == manifest.num_layers and not manifest.codec.compressed
+        )
 
     def key(self, relpath: str) -> str:
         return paths.segment_file(self.info.id, relpath)
@@ -277,7 +281,7 @@ class SegmentReader:
         out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
         if hasher is not None and not all_layers:
             raise FormatError("a sample checksum covers all layers")
-        if whole_rows and not man.codec.compressed:
+        if all_layers and self.raw_rows:
             read_raw_rows(self, start, stop, out_bytes, hasher)
             return
         if crc is None:

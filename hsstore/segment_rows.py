@@ -1,5 +1,6 @@
 """Decoding rows of one segment's states: what `SegmentReader.read_rows` does for each shard,
-compressed chunk by chunk or, uncompressed, straight into the caller's buffer."""
+compressed chunk by chunk or, uncompressed, straight into the caller's buffer (a batch's
+samples together: `RawSamplesRead`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from hsstore.format.manifest import Manifest
 from hsstore.format.segment_layout import EMPTY, ShardIndex, raw_rows_range
 from hsstore.format.store import Storage
 
+# How many bytes of a batch's small uncompressed samples one `Storage.read_many_into` call
+# reads: few calls, yet threads sharing a batch each take a fair part of it. Reads handed to a
+# thread of their own go in larger calls: each hand-off waits for the interpreter lock the
+# planning thread holds.
+READ_MANY_BYTES = 4 << 20
+HANDED_OFF_READ_BYTES = 16 << 20
 # Decode buffers are per thread and shared by every segment reader, so a reading thread holds
 # about two chunks of scratch however many segments it has touched.
 _THREAD_SCRATCH = threading.local()
@@ -47,24 +54,23 @@ def scratch(name: str, nbytes: int) -> memoryview:
     return memoryview(buf)[:nbytes]
 
 
-def read_raw_rows(
-    reader: ShardSource, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
-) -> None:
-    """Uncompressed, all layers: the wanted rows of each chunk are one byte range of the shard
-    (`raw_rows_range`), read straight into ``out`` (the storage reads ranges that lie nearly
-    back to back together). The whole-sample checksum verifies the bytes, since a partial
-    chunk cannot be checked against its crc. On small samples this runs once per sample of a
-    batch, so the per-shard work is kept to plain integers and views of one flat view."""
+def raw_rows_plan(
+    reader: ShardSource, start: int, stop: int
+) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Uncompressed, all layers: per shard, its key and the byte ranges that hold rows
+    [start, stop), one per chunk (`raw_rows_range`); read in order, back to back, they are the
+    rows' bytes. On small samples this runs once per sample of a batch, so the per-shard work
+    is kept to plain integers."""
     layout = reader.manifest.layout
     rpc, cps, rb = layout.rows_per_chunk, layout.chunks_per_shard, reader.row_bytes_chunk
-    flat = memoryview(out_bytes).cast("B")
+    plan = []
     c, last = start // rpc, (stop - 1) // rpc
     while c <= last:  # shard by shard
         shard = c // cps
         base = shard * cps
         end = min(last, base + cps - 1)
         key = reader.key(paths.shard_relpath(shard))
-        ranges, into = [], []
+        ranges = []
         for offset in reader.shard_index(shard).offsets(c - base, end - base):
             crow0 = c * rpc
             if offset == EMPTY:
@@ -73,14 +79,92 @@ def read_raw_rows(
                 )
             lo, hi = max(start, crow0), min(stop, crow0 + rpc)
             ranges.append(raw_rows_range(offset, lo - crow0, hi - lo, rb))
-            into.append(flat[(lo - start) * rb : (hi - start) * rb])
             c += 1
+        plan.append((key, ranges))
+    return plan
+
+
+def read_raw_rows(
+    reader: ShardSource, start: int, stop: int, out_bytes: np.ndarray, hasher: xxhash.xxh3_64 | None
+) -> None:
+    """Uncompressed, all layers: the rows' byte ranges (`raw_rows_plan`) read straight into
+    ``out`` (the storage reads ranges that lie nearly back to back together). The
+    whole-sample checksum verifies the bytes, since a partial chunk cannot be checked against
+    its crc."""
+    flat = memoryview(out_bytes).cast("B")
+    at = 0
+    for key, ranges in raw_rows_plan(reader, start, stop):
+        into = []
+        for _, nbytes in ranges:
+            into.append(flat[at : at + nbytes])
+            at += nbytes
         got = read_ranges_into_io(reader.storage, key, ranges, into)
         for (_, nbytes), view in zip(ranges, got, strict=True):
             if len(view) != nbytes:
                 raise IntegrityError("shard is truncated", path=reader.storage.path_of(key))
             if hasher is not None:
                 hasher.update(view)
+
+
+class RawSamplesRead:
+    """Whole samples of uncompressed segments, planned into the rows of one batch (``out``,
+    a C-contiguous array of the storage dtype, rows first) until a few MiB are (`add`), then
+    read in one `Storage.read_many_into` call (`read`), here or, handed to ``runs_to``, on
+    another thread (`flush`): on small samples, reading them one by one costs as much again as
+    the copy. A sample whose bytes did not all arrive is read again on its own
+    (``read_one(i, row)``, under the rules of a single sample's read), which raises the error
+    that names its problem or, the problem gone, reads it. Their checksums are the caller's
+    (`hsstore.sample_checks.check_samples`): hashing each sample as it lands, while it is in
+    cache, is the single sample's read."""
+
+    __slots__ = ("storage", "out", "read_one", "runs_to", "reads", "samples", "nbytes")
+
+    def __init__(
+        self,
+        storage: Storage,
+        out: np.ndarray,
+        read_one: Callable[[int, int], None],
+        runs_to: Callable[[PlannedRead], None] | None = None,
+    ):
+        self.storage, self.out, self.read_one, self.runs_to = storage, out, read_one, runs_to
+        self.reads: list[tuple[str, int, int, int]] = []
+        self.samples: list[tuple[int, int, int]] = []  # (i, row, its first read)
+        self.nbytes = 0
+
+    def add(self, reader: ShardSource, start: int, stop: int, i: int, row: int) -> bool:
+        """Plan sample ``i`` (rows [start, stop) of ``reader``'s segment) to land at ``row``;
+        True once enough is planned to `flush`."""
+        try:
+            plan = raw_rows_plan(reader, start, stop)
+        except (HsstoreError, OSError):
+            self.read_one(i, row)  # raises what is wrong, naming the sample
+            plan = []
+        self.samples.append((i, row, len(self.reads)))
+        at = row * self.out.strides[0]
+        for key, ranges in plan:
+            for offset, nbytes in ranges:
+                self.reads.append((key, offset, nbytes, at))
+                self.nbytes += nbytes
+                at += nbytes
+        return self.nbytes >= (READ_MANY_BYTES if self.runs_to is None else HANDED_OFF_READ_BYTES)
+
+    def flush(self) -> RawSamplesRead:
+        """`read` what is planned here, or hand it to ``runs_to`` to be read there; returns an
+        empty read of the same batch for what comes next."""
+        if self.samples and self.runs_to is not None:
+            self.runs_to(self)
+        elif self.samples:
+            self.read()
+        return RawSamplesRead(self.storage, self.out, self.read_one, self.runs_to)
+
+    def read(self) -> None:
+        """Read what is planned; a sample whose bytes did not all arrive is read alone."""
+        flat = memoryview(self.out).cast("B")
+        whole = self.storage.read_many_into(self.reads, flat) if self.reads else 0
+        ends = [first for _, _, first in self.samples[1:]] + [len(self.reads)]
+        for (i, row, _), end in zip(self.samples, ends):
+            if end > whole:
+                self.read_one(i, row)
 
 
 class RowsRead:
@@ -281,3 +365,7 @@ class ShardRun:
                         read.out[lo - start : hi - start, pos] = rows[:, within]
             if hasher is not None and j == last_j:
                 hasher.update(placed)
+
+
+# A read planned on one thread and done on another (a loader's `ChunkPipeline`).
+PlannedRead = ShardRun | RawSamplesRead

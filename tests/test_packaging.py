@@ -85,8 +85,9 @@ def test_wheel_ships_the_library_and_not_the_tools(wheel):
     for needed in ("manifest.schema.json", "inspect.schema.json"):
         assert f"hsstore/schemas/{needed}" in names
     assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
-    # the compiled modules (the split-zstd decoder, the batch checksums), for this interpreter
-    for module in ("_split_decoder", "_xxh3_many"):
+    # the compiled modules (the split-zstd decoder, the batch checksums and reads), for this
+    # interpreter
+    for module in ("_split_decoder", "_xxh3_many", "_pread_many"):
         (built,) = [n for n in names if n.startswith(f"hsstore/format/{module}.")]
         assert built.endswith(".so") and f"hsstore/format/{module}.c" not in names
 

@@ -87,6 +87,35 @@ def test_reads_are_bit_identical_on_object_stores_whatever_the_batches(remote_ur
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_many_ranges_of_several_objects_come_back_whole_and_in_place(
+    remote_url, tmp_path, monkeypatch, cached
+):
+    """`read_many_into` on an object store: a `read_ranges` per run of one object's ranges,
+    or, with a cache, one call of the local disk over the local copies; either way the bytes
+    asked, up to the first range an object does not hold whole."""
+    storage = ObjectStorage(remote_url, cache_dir=str(tmp_path / "cache") if cached else None)
+    blobs = {f"segments/x/states/c/0/0/{k}": os.urandom(5000 + k) for k in range(3)}
+    for key, blob in blobs.items():
+        storage.write_file(key, [blob])
+    keys = list(blobs)
+    reads, at = [], 0
+    for k, offset, nbytes in [(0, 10, 100), (0, 200, 50), (1, 0, 5001), (2, 4990, 12), (0, 0, 1)]:
+        reads.append((keys[k], offset, nbytes, at))
+        at += nbytes
+    local_calls = []
+    read_many_into = LocalStorage.read_many_into
+    monkeypatch.setattr(LocalStorage, "read_many_into",
+                        lambda self, *a: local_calls.append(a) or read_many_into(self, *a))  # fmt: skip
+    into = bytearray(at + 100)
+    assert storage.read_many_into(reads, memoryview(into)) == len(reads)
+    for key, offset, nbytes, place in reads:
+        assert into[place : place + nbytes] == blobs[key][offset : offset + nbytes]
+    assert len(local_calls) == int(cached)
+    past_the_end = [*reads[:3], (keys[1], 4990, 100, at), *reads[3:]]
+    assert storage.read_many_into(past_the_end, memoryview(bytearray(at + 100))) == 3
+
+
 def _cached_files(cache: Path) -> list[Path]:
     return [
         p

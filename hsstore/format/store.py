@@ -12,6 +12,8 @@ how bytes are fetched (mapped, hinted, coalesced, cached) is each backend's own 
 from __future__ import annotations
 
 import abc
+import itertools
+import operator
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -63,6 +65,30 @@ class Storage(abc.ABC):
         with ``into`` (one buffer per range, of its length) the bytes land in the caller's
         buffers, and the part of each buffer filled is what comes back. Drop or exhaust the
         iterator when done: the backend then releases what the read held."""
+
+    def read_many_into(self, reads: Sequence[tuple[str, int, int, int]], into: memoryview) -> int:
+        """Read each ``(key, offset, nbytes, at)`` of ``reads`` whole into
+        ``into[at : at + nbytes]``, in order: many small ranges of several objects in one call
+        (a loader's batch of small samples). Returns how many were read whole before the first
+        that was not, for whatever reason (an error, the end of the object): the caller reads
+        that one again by the rule that names its problem (`hsstore.format.damage`).
+
+        By default each run of ranges of one object is one `read_ranges`; a backend that
+        reads many ranges cheaper at once overrides it."""
+        done = 0
+        for key, run in itertools.groupby(reads, key=operator.itemgetter(0)):
+            run = list(run)
+            ranges = [(offset, nbytes) for _, offset, nbytes, _ in run]
+            buffers = [into[at : at + nbytes] for _, _, nbytes, at in run]
+            try:
+                got = list(self.read_ranges(key, ranges, buffers))
+            except Exception:  # the caller's read of the same range reports it
+                return done
+            for (_, nbytes), view in zip(ranges, got):
+                if len(view) != nbytes:
+                    return done
+                done += 1
+        return done
 
     def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
         """A hint: these (offset, nbytes) ranges of the object are read soon. A backend may

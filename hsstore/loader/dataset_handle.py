@@ -26,7 +26,7 @@ from hsstore.format import paths, tiers
 from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.format.manifest import Manifest
 from hsstore.format.store import Storage
-from hsstore.segment_rows import ShardRun
+from hsstore.segment_rows import PlannedRead
 
 
 @dataclass(frozen=True)
@@ -196,12 +196,13 @@ class DatasetSource:
         placed: Iterable[tuple[int, int]],
         layers: list[int],
         unchecked: list[tuple[int, int]] | None = None,
-        runs_to: Callable[[ShardRun], None] | None = None,
+        runs_to: Callable[[PlannedRead], None] | None = None,
     ) -> int:
         """Decode whole samples into token rows of ``out`` [R, len(layers), H]: sample ``i``
         at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``, their checksums left
-        to `check_decoded` when ``unchecked`` is given, their compressed chunks read and
-        decoded by ``runs_to`` when it is (`Dataset.read_hidden_many_into`)."""
+        to `check_decoded` when ``unchecked`` is given, their compressed chunks decoded and
+        their uncompressed rows read by ``runs_to`` when it is
+        (`Dataset.read_hidden_many_into`)."""
         whole = layers == self._all_layers
         return self.ds.read_hidden_many_into(
             out, placed, layers=None if whole else layers, unchecked=unchecked, runs_to=runs_to

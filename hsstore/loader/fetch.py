@@ -8,11 +8,10 @@ on small samples a future, a thread wake-up and a GIL hand-off per sample cost a
 reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
 chunk that two neighbouring samples share is decoded once and files are read forwards. While
 they run, the producer writes the batch's padding and gathers all its token columns at once.
-With a single decode thread there is no pool. Where a core is free besides it and the
-dataset is compressed, the producer reads each batch's chunks itself and a thread of their own
-decodes them (`ChunkPipeline`), so the decoding thread does nothing else; otherwise the
-producer decodes each batch itself, after its padding and token columns (handing whole batches
-to another thread would overlap only that short work, and cost as much again in GIL hand-offs).
+With a single decode thread there is no pool. Where a core is free besides it, the producer
+plans each batch (and reads its compressed chunks) and a thread of their own decodes the
+chunks or reads the uncompressed samples (`ChunkPipeline`), so that thread does nothing else;
+otherwise the producer decodes each batch itself, after its padding and token columns.
 
 Where the decode threads leave a core free, a checker thread verifies the whole-sample
 checksums of a batch while the next one decodes (`Dataset.check_decoded`); a batch reaches the
@@ -50,7 +49,7 @@ import torch
 
 from hsstore.cores import usable_cores
 from hsstore.loader.batching import WAIT, padded_length
-from hsstore.loader.chunk_pipeline import ChunkPipeline, RunsTo
+from hsstore.loader.chunk_pipeline import ChunkPipeline, RunsTo, SamplesRead
 from hsstore.loader.collate import (
     HostBuffers,
     Placements,
@@ -163,11 +162,12 @@ class BatchFetcher:
             if source.verify_reads and spare_core
             else None
         )
-        # One decode thread and a spare core: compressed chunks are read by the producer and
-        # decoded on a thread that does nothing else (`ChunkPipeline`).
+        # One decode thread and a spare core: batches are planned by the producer and decoded
+        # (compressed chunks) or read (uncompressed samples) on a thread that does nothing else
+        # (`ChunkPipeline`).
         self._pipeline = (
-            ChunkPipeline(self._stop)
-            if num_threads == 1 and spare_core and source.compressed
+            ChunkPipeline(self._stop, compressed=source.compressed)
+            if num_threads == 1 and spare_core
             else None
         )
         self._thread = threading.Thread(
@@ -243,9 +243,11 @@ class BatchFetcher:
                 except BaseException:
                     todo.clear()
                     raise
-                if self._pipeline is not None:  # read here, decoded on the pipeline's thread
+                samples_read = None
+                if self._pipeline is not None:  # planned here, read on the pipeline's thread
                     read = functools.partial(self._decode_claimed, tokens_rows, todo, unchecked)
-                    futures.append(self._pipeline.run_batch(read))
+                    decoding, samples_read = self._pipeline.run_batch(read)
+                    futures.append(decoding)
                 elif self._pool is None:  # one decode thread: this one, with no hand-off
                     self._decode_claimed(tokens_rows, todo, unchecked)
                 values = buf.values_view(b, t)
@@ -261,10 +263,10 @@ class BatchFetcher:
                     executor = self._pool or self._pipeline.executor  # type: ignore[union-attr]
                     futures.append(executor.submit(self._dequantize_after, decoded, raw, values))
                     raw = dataclasses.replace(raw, hidden=values, scales=None)
-                if unchecked is not None:  # the checker's, after the decode tasks
+                if unchecked is not None:  # the checker's, as the samples are read
                     futures.append(
                         self._checker.submit(
-                            self._check_after, list(futures), tokens_rows, unchecked
+                            self._check_after, list(futures), tokens_rows, unchecked, samples_read
                         )
                     )
                 if not self._put((buf, raw, futures)):
@@ -291,11 +293,24 @@ class BatchFetcher:
         dequantize_batch(raw, values)
 
     def _check_after(
-        self, decoded: list[Future], tokens_rows: torch.Tensor, unchecked: list[tuple[int, int]]
+        self,
+        decoded: list[Future],
+        tokens_rows: torch.Tensor,
+        unchecked: list[tuple[int, int]],
+        samples_read: SamplesRead | None,
     ) -> None:  # runs on the checker thread
-        """Verify the checksums of a batch's samples once its decode tasks are done."""
+        """Verify the checksums of a batch's samples: those the pipeline's thread reads
+        (``samples_read``) as it reads them, the others once the batch's decode tasks are
+        done."""
+        done: list[tuple[int, int]] = []
+        while samples_read is not None and (more := samples_read.after(len(done))) is not None:
+            self.source.check_decoded(tokens_rows, more)
+            done += more
         for f in decoded:
             f.result()
+        if done:
+            checked = set(done)
+            unchecked = [placed for placed in unchecked if placed not in checked]
         self.source.check_decoded(tokens_rows, unchecked)
 
     def _decode_order(
