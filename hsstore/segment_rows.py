@@ -157,14 +157,16 @@ class RawSamplesRead:
             self.read()
         return RawSamplesRead(self.storage, self.out, self.read_one, self.runs_to)
 
-    def read(self) -> None:
-        """Read what is planned; a sample whose bytes did not all arrive is read alone."""
+    def read(self) -> list[tuple[int, int]]:
+        """Read what is planned (a sample whose bytes did not all arrive read alone); returns
+        ``(i, row)`` of the samples read."""
         flat = memoryview(self.out).cast("B")
         whole = self.storage.read_many_into(self.reads, flat) if self.reads else 0
         ends = [first for _, _, first in self.samples[1:]] + [len(self.reads)]
         for (i, row, _), end in zip(self.samples, ends):
             if end > whole:
                 self.read_one(i, row)
+        return [(i, row) for i, row, _ in self.samples]
 
 
 class RowsRead:

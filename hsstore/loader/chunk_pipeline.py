@@ -103,8 +103,7 @@ class ChunkPipeline:
                 try:
                     if error is None and not self._stop.is_set():
                         if isinstance(part, RawSamplesRead):
-                            part.read()
-                            samples.add([(i, row) for i, row, _ in part.samples])
+                            samples.add(part.read())
                         else:
                             part.decode(iter(got))
                 except BaseException as exc:  # the rest of the batch is drained, not decoded
