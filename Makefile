@@ -10,7 +10,7 @@ DEMO_OUT := demo_out
 .PHONY: demo test test-sglang schemas
 
 # Re-run the installer when the dependencies, the compiled module or the installer change.
-$(INSTALLED): pyproject.toml setup.py hsstore/format/_split_decoder.c hsstore/format/_xxh3_many.c hsstore/format/_pread_many.c scripts/install.sh
+$(INSTALLED): pyproject.toml setup.py hsstore/codec/_split_decoder.c hsstore/spec/_xxh3_many.c hsstore/storage/_pread_many.c scripts/install.sh
 	bash scripts/install.sh
 	touch $@
 

@@ -6,8 +6,8 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("hsstore.format._split_decoder", sources=["hsstore/format/_split_decoder.c"]),
-        Extension("hsstore.format._xxh3_many", sources=["hsstore/format/_xxh3_many.c"]),
-        Extension("hsstore.format._pread_many", sources=["hsstore/format/_pread_many.c"]),
+        Extension("hsstore.codec._split_decoder", sources=["hsstore/codec/_split_decoder.c"]),
+        Extension("hsstore.spec._xxh3_many", sources=["hsstore/spec/_xxh3_many.c"]),
+        Extension("hsstore.storage._pread_many", sources=["hsstore/storage/_pread_many.c"]),
     ]
 )

@@ -4,7 +4,12 @@ Public API: `create`, `open`, `verify`, `gc`, `repair`, `Dataset`, `Sample`, `Wr
 and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
 """
 
-from hsstore.dataset import Dataset, open
+from hsstore.dataset.create import create
+from hsstore.dataset.dataset import Dataset, open
+from hsstore.dataset.integrity import VerifyReport, gc, verify
+from hsstore.dataset.repair import RepairReport, repair
+from hsstore.dataset.sample import Sample
+from hsstore.dataset.writer import Writer
 from hsstore.errors import (
     BadInputError,
     CommitUnknownError,
@@ -23,13 +28,8 @@ from hsstore.errors import (
     StorageError,
     UnsupportedVersionError,
 )
-from hsstore.format.layers import LayerSpec
-from hsstore.format.manifest import Manifest, ModelInfo
-from hsstore.integrity import VerifyReport, gc, verify
-from hsstore.new_dataset import create
-from hsstore.repair import RepairReport, repair
-from hsstore.sample import Sample
-from hsstore.writer import Writer
+from hsstore.spec.layers import LayerSpec
+from hsstore.spec.manifest import Manifest, ModelInfo
 
 __version__ = "0.1.0"
 

@@ -48,10 +48,10 @@ def run_demo(out: str | Path, *, workers: int = 2, progress: bool = True) -> dic
     import hsstore
     from hsstore.audit.report import to_text
     from hsstore.audit.run import AuditOptions, audit
-    from hsstore.convert import export_to_v1
     from hsstore.demo_model import build_tiny_model
-    from hsstore.extract.extra import require_extract_extra
-    from hsstore.extract.runner import ExtractOptions, run_extract
+    from hsstore.extractors.extra import require_extract_extra
+    from hsstore.extractors.runner import ExtractOptions, run_extract
+    from hsstore.interop.convert import export_to_v1
     from hsstore.loader import Loader
 
     require_extract_extra("hsstore demo")

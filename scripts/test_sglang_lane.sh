@@ -8,6 +8,6 @@ ENV_DIR=$(bash scripts/sglang_env.sh)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # The checkout's compiled modules are built for .venv's python; build them for this one where
 # that python is another release.
-"$ENV_DIR/bin/python" -c "import hsstore.format._split_decoder, hsstore.format._xxh3_many, hsstore.format._pread_many" 2>/dev/null ||
+"$ENV_DIR/bin/python" -c "import hsstore.codec._split_decoder, hsstore.spec._xxh3_many, hsstore.storage._pread_many" 2>/dev/null ||
     "$ENV_DIR/bin/python" setup.py --quiet build_ext --inplace
 exec "$ENV_DIR/bin/python" -m pytest tests/sglang_engine -p no:cacheprovider -o timeout=600 "$@"

@@ -32,9 +32,9 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import commit
 from hsstore.errors import CommitUnknownError, HsstoreError
-from hsstore.format import commit
-from hsstore.format.locations import open_storage
+from hsstore.storage.locations import open_storage
 from tests.faults import FaultyStorage, InjectedFault, Tally, seeded
 from tools.synthetic import random_sample
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from hsstore.errors import StorageError
-from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import ObjectInfo, Storage
+from hsstore.storage.object_store import ObjectStorage
+from hsstore.storage.store import ObjectInfo, Storage
 
 KINDS = ("fail", "lose", "resend", "delay", "pause", "outage")
 

@@ -17,7 +17,7 @@ from hsstore.audit.lm_head import load_output_head
 from hsstore.audit.norm_fit import BROKEN, HOLDS, norm_fit, rows_needed
 from hsstore.audit.sampling import RowReservoir, plan_reads
 from hsstore.audit.verdict import Verdict, worst
-from hsstore.stats import StatsAccumulator
+from hsstore.segment.stats import StatsAccumulator
 
 
 def test_full_plan_reads_everything_in_order():

@@ -9,11 +9,11 @@ import torch
 import xxhash
 
 import hsstore
-import hsstore.sample_checks
+import hsstore.dataset.sample_checks
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
-from hsstore.format import sample_index
-from hsstore.format.sample_index import span_checksums
+from hsstore.spec import sample_index
+from hsstore.spec.sample_index import span_checksums
 from tools.synthetic import llm_like_states
 
 
@@ -87,7 +87,7 @@ def test_a_clean_batch_is_checked_in_one_call(tmp_path, tier, monkeypatch):
     def per_sample(*_args):
         raise AssertionError("a sample hashed on its own")
 
-    monkeypatch.setattr(hsstore.sample_checks.xxhash, "xxh3_64", per_sample)
+    monkeypatch.setattr(hsstore.dataset.sample_checks.xxhash, "xxh3_64", per_sample)
     ds.check_decoded(out, unchecked)
 
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import hsstore
-import hsstore.dataset
-import hsstore.format.local_store as local_store
+import hsstore.dataset.dataset
 import hsstore.loader.fetch as fetch
-import hsstore.segment_rows as segment_rows
+import hsstore.segment.rows as segment_rows
+import hsstore.storage.local_store as local_store
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
-from hsstore.format._pread_many import pread_spans
-from hsstore.format.local_store import LocalStorage
 from hsstore.loader import Loader
+from hsstore.storage._pread_many import pread_spans
+from hsstore.storage.local_store import LocalStorage
 from tests.faults import FaultyStorage
 
 H = 32
@@ -207,13 +207,13 @@ class _ShortOnce(LocalStorage):
 def test_samples_a_batch_read_did_not_get_whole_are_read_again_alone(raw, monkeypatch):
     want = _expected(raw)
     alone: list[int] = []
-    read_alone = hsstore.dataset.Dataset._read_alone
+    read_alone = hsstore.dataset.dataset.Dataset._read_alone
 
     def spy(self, np_out, i, first):
         alone.append(i)
         return read_alone(self, np_out, i, first)
 
-    monkeypatch.setattr(hsstore.dataset.Dataset, "_read_alone", spy)
+    monkeypatch.setattr(hsstore.dataset.dataset.Dataset, "_read_alone", spy)
     ds = hsstore.open(_ShortOnce(raw.path, whole=20))
     unchecked: list[tuple[int, int]] = []
     assert torch.equal(_read_all(ds, unchecked), want)

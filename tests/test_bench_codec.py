@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from hsstore.format.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig
+from hsstore.codec.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig
 from tools import bench_codec
 from tools.synthetic import llm_like_states
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hsstore.format.codecs import DEFAULT_CODEC
+from hsstore.codec.codecs import DEFAULT_CODEC
 from tools import bench_peers
 
 

@@ -15,12 +15,12 @@ import hsstore
 import hsstore.loader.chunk_pipeline as chunk_pipeline
 import hsstore.loader.fetch as fetch
 from hsstore import LayerSpec
+from hsstore.codec.codecs import ChunkCodec
 from hsstore.errors import IntegrityError
-from hsstore.format import damage
-from hsstore.format.codecs import ChunkCodec
-from hsstore.format.dtypes import storage_view
-from hsstore.format.local_store import LocalStorage
 from hsstore.loader import Loader
+from hsstore.spec.dtypes import storage_view
+from hsstore.storage import damage
+from hsstore.storage.local_store import LocalStorage
 from tests.faults import Call, Fault, FaultyStorage
 
 H = 32

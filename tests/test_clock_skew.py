@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import hsstore
-from hsstore.format import paths
-from hsstore.format.locations import open_storage
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from tests.explorer import make_dataset, sample
 from tests.faults import faketime_env
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from hsstore.codec import codecs
+from hsstore.codec.codecs import ChunkCodec, CodecConfig
+from hsstore.codec.tiers import round_mantissa
 from hsstore.errors import IntegrityError
-from hsstore.format import codecs
-from hsstore.format.codecs import ChunkCodec, CodecConfig
-from hsstore.format.tiers import round_mantissa
 from tools.synthetic import llm_like_states
 
 
@@ -169,7 +169,7 @@ def test_a_process_that_decoded_exits_without_a_word():
 
     script = (
         "import threading, numpy as np, torch\n"
-        "from hsstore.format.codecs import ChunkCodec, CodecConfig\n"
+        "from hsstore.codec.codecs import ChunkCodec, CodecConfig\n"
         "c = ChunkCodec(CodecConfig(name='split-zstd'), 2)\n"
         "x = torch.randn(32, 1, 384).to(torch.bfloat16).view(torch.int16).numpy()\n"
         "f = memoryview(b''.join(bytes(p) for p in c.encode(x)))\n"
@@ -181,7 +181,7 @@ def test_a_process_that_decoded_exits_without_a_word():
         "d = threading.Thread(target=decode, daemon=True); d.start()\n"
         "decode()\n"
         # as when a late finalizer runs at shutdown, after the module's globals are gone
-        "import hsstore.format.codecs as m\n"
+        "import hsstore.codec.codecs as m\n"
         "k = m._ZstdContext(); m._zstd_free_dctx = None; del k\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

@@ -18,10 +18,10 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format import read_ahead
-from hsstore.format.local_store import LocalStorage
 from hsstore.loader import Loader
 from hsstore.loader.fetch import BatchFetcher
+from hsstore.storage import read_ahead
+from hsstore.storage.local_store import LocalStorage
 from tools.synthetic import llm_like_states
 
 PAGE = mmap.PAGESIZE

@@ -13,10 +13,11 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import commit, history
 from hsstore.errors import CommitUnknownError, HsstoreError
-from hsstore.format import commit, history, paths
-from hsstore.format.locations import open_storage
-from hsstore.format.manifest import Delta
+from hsstore.spec import paths
+from hsstore.spec.manifest import Delta
+from hsstore.storage.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at
 from tools.synthetic import random_sample
 

@@ -19,9 +19,10 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import commit
 from hsstore.errors import CommitUnknownError, HsstoreError, SegmentRemovedError
-from hsstore.format import commit, paths
-from hsstore.format.locations import open_storage
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at, clock_shift
 from tests.wire_proxy import WireProxy, once
 from tools.synthetic import random_sample

@@ -14,12 +14,13 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import commit
+from hsstore.dataset.writer import Writer
 from hsstore.errors import SegmentRemovedError
-from hsstore.format import commit, paths
-from hsstore.format.local_store import LocalStorage
-from hsstore.format.locations import open_storage
-from hsstore.format.store import Storage
-from hsstore.writer import Writer
+from hsstore.spec import paths
+from hsstore.storage.local_store import LocalStorage
+from hsstore.storage.locations import open_storage
+from hsstore.storage.store import Storage
 from tests.faults import Fault, FaultyStorage, at, stopped_at
 from tools.synthetic import random_sample
 

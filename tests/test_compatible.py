@@ -16,9 +16,9 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.convert import convert, export_to_v1
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import ConflictError, IncompatibleDatasetError
+from hsstore.interop.convert import convert, export_to_v1
 
 N_LAYERS = 4
 ROWS = [

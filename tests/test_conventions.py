@@ -9,15 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsstore.format import conventions
-from hsstore.format.conventions import (
+from hsstore.spec import conventions
+from hsstore.spec.conventions import (
     CONVENTIONS,
     ConventionError,
     from_canonical,
     normalize_convention,
     to_canonical,
 )
-from hsstore.format.layers import LayerSpec
+from hsstore.spec.layers import LayerSpec
 
 
 def depths(conv: str, ids: list[int], n: int) -> list[tuple[int, bool]]:

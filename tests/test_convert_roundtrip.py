@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from hsstore.convert import convert, convert_to_hsstore, export_to_v1
 from hsstore.errors import BadInputError, IncompatibleDatasetError
+from hsstore.interop.convert import convert, convert_to_hsstore, export_to_v1
 from tools.convert_fixtures import write_arrow_dir, write_specforge_dir, write_v1_dir
 
 

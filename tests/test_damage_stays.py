@@ -12,9 +12,9 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.convert import convert_to_hsstore
-from hsstore.format import paths
-from hsstore.format.locations import open_storage
+from hsstore.interop.convert import convert_to_hsstore
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from tools.convert_fixtures import write_v1_dir
 from tools.synthetic import random_sample
 

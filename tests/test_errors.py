@@ -16,8 +16,8 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec, errors
 from hsstore.cli import main
-from hsstore.format import conventions
 from hsstore.loader import Loader
+from hsstore.spec import conventions
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "API.md"
 ERRORS = [

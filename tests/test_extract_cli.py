@@ -180,7 +180,7 @@ def test_rerun_redoes_nothing(setup, reference):
 STALL_AFTER_FIRST_COMMIT = """
 import threading
 
-from hsstore.writer import Writer
+from hsstore.dataset.writer import Writer
 
 _commits = [0]
 _commit, _add = Writer.commit, Writer.add

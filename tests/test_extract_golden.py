@@ -17,7 +17,7 @@ import torch
 
 import hsstore
 from hsstore.demo_model import build_tiny_model
-from hsstore.extract.runner import ExtractOptions, run_extract
+from hsstore.extractors.runner import ExtractOptions, run_extract
 
 N_LAYERS = 4
 MESSAGES = [

@@ -11,9 +11,9 @@ import pydoc
 import pytest
 
 from hsstore.cli.extract import command
-from hsstore.extract.options import ExtractOptions, cli_fields
-from hsstore.extract.runner import worker_specs
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.options import ExtractOptions, cli_fields
+from hsstore.extractors.runner import worker_specs
+from hsstore.spec.layers import LayerSpec
 
 # Command-line options that are not fields: they fill backend_options, or shape the output.
 CLI_ONLY = {"tp_size", "mem_fraction", "as_json"}

@@ -11,11 +11,11 @@ import pytest
 
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
-from hsstore.extract.batching import parse_shard, plan_batches
-from hsstore.extract.chat_tokens import ChatTokenizer, TokenizedPrompt
-from hsstore.extract.layer_select import eagle3_aux_layers, parse_layers
-from hsstore.extract.prompts import Prompt, SkippedRow, read_prompts
-from hsstore.format import conventions
+from hsstore.extractors.batching import parse_shard, plan_batches
+from hsstore.extractors.chat_tokens import ChatTokenizer, TokenizedPrompt
+from hsstore.extractors.layer_select import eagle3_aux_layers, parse_layers
+from hsstore.extractors.prompts import Prompt, SkippedRow, read_prompts
+from hsstore.spec import conventions
 
 CHAT = {
     "messages": [

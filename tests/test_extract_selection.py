@@ -16,9 +16,9 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaModel
 
 from hsstore.demo_model import build_tiny_model
-from hsstore.extract.chat_tokens import TokenizedPrompt
-from hsstore.extract.layer_select import parse_layers
-from hsstore.extract.transformers_backend import TransformersBackend
+from hsstore.extractors.backends.transformers import TransformersBackend
+from hsstore.extractors.chat_tokens import TokenizedPrompt
+from hsstore.extractors.layer_select import parse_layers
 
 N_LAYERS = 4
 LAYERS = "1,3,final"  # hidden_states indices 1, 3 and 4 (= N, the normed final state)

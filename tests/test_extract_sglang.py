@@ -19,16 +19,16 @@ from sglang_fake import FakeSGLangEngine, counted, factory
 import hsstore
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
-from hsstore.extract.chat_tokens import TokenizedPrompt
-from hsstore.extract.runner import ExtractOptions, WorkerFailedError, run_extract
-from hsstore.extract.sglang_backend import (
+from hsstore.extractors.backends.sglang.backend import (
     SGLangBackend,
     SGLangResponseError,
     check_sglang_version,
     plan_capture,
     rows_from_response,
 )
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.chat_tokens import TokenizedPrompt
+from hsstore.extractors.runner import ExtractOptions, WorkerFailedError, run_extract
+from hsstore.spec.layers import LayerSpec
 
 N = 6
 # Model classes of the wheel with each capture rule, including the ones issue 10 is about.
@@ -56,7 +56,7 @@ def batch_of(tiny, n=2):
 
 
 def hf_states(tiny, batch, layers):
-    from hsstore.extract.transformers_backend import TransformersBackend
+    from hsstore.extractors.backends.transformers import TransformersBackend
 
     backend = TransformersBackend(str(tiny), layers, torch_dtype="float32")
     try:
@@ -198,8 +198,8 @@ def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, promp
     assert "died (exit code 17)" in message
     from transformers import AutoTokenizer
 
-    from hsstore.extract.chat_tokens import ChatTokenizer
-    from hsstore.extract.prompts import read_prompts
+    from hsstore.extractors.chat_tokens import ChatTokenizer
+    from hsstore.extractors.prompts import read_prompts
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
     for prompt in read_prompts(prompts):
@@ -327,8 +327,8 @@ def test_cli_without_sglang_is_a_clear_error(tiny, prompts, tmp_path):
 def test_failure_mid_run_keeps_earlier_batches_and_resumes(tiny, prompts, tmp_path):
     from transformers import AutoTokenizer
 
-    from hsstore.extract.chat_tokens import ChatTokenizer
-    from hsstore.extract.prompts import read_prompts
+    from hsstore.extractors.chat_tokens import ChatTokenizer
+    from hsstore.extractors.prompts import read_prompts
 
     chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
     encoded = [chat.encode(p) for p in read_prompts(prompts)]
@@ -401,7 +401,7 @@ def test_prefix_cache_hit_is_refused(tiny):
 def test_cpu_memory_fraction_is_positive_and_refuses_what_cannot_fit(tiny):
     from transformers import AutoConfig
 
-    from hsstore.extract.sglang_memory import cpu_mem_fraction
+    from hsstore.extractors.backends.sglang.memory import cpu_mem_fraction
 
     config = AutoConfig.from_pretrained(tiny)
     gib = 1 << 30

@@ -1,4 +1,4 @@
-"""The slots that carry states from SGLang's scheduler to the worker (hsstore.extract.sglang_capture).
+"""The slots that carry states from SGLang's scheduler to the worker (hsstore.extractors.backends.sglang.capture).
 
 The backend and the forward hook are the real ones, on the fake engine of tests/sglang_fake.py:
 slots are reused across requests and released only when the states are freed; a capture that
@@ -18,13 +18,18 @@ from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput, factory
 from test_extract_sglang import N, batch_of, hf_states, sglang_options
 
 from hsstore.demo_model import build_tiny_model
-from hsstore.extract import sglang_capture
-from hsstore.extract.runner import WorkerFailedError, run_extract
-from hsstore.extract.sglang_backend import SGLangBackend, SGLangResponseError
-from hsstore.extract.sglang_capture import DIR_PREFIX, SlotReader, SlotWriter, shared_memory_root
-from hsstore.extract.sglang_checks import states_from_captures
-from hsstore.extract.sglang_hook import capture_hook
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.backends.sglang import capture as sglang_capture
+from hsstore.extractors.backends.sglang.backend import SGLangBackend, SGLangResponseError
+from hsstore.extractors.backends.sglang.capture import (
+    DIR_PREFIX,
+    SlotReader,
+    SlotWriter,
+    shared_memory_root,
+)
+from hsstore.extractors.backends.sglang.checks import states_from_captures
+from hsstore.extractors.backends.sglang.hook import capture_hook
+from hsstore.extractors.runner import WorkerFailedError, run_extract
+from hsstore.spec.layers import LayerSpec
 
 
 @pytest.fixture(scope="module")

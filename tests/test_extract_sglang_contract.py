@@ -16,9 +16,9 @@ import pytest
 from sglang_fake import server_arg_fields
 from sglang_wheel import SETTER, SGLangModels, Unclassifiable, find_wheel
 
-from hsstore.extract.layer_select import eagle3_aux_layers
-from hsstore.extract.sglang_backend import engine_kwargs, plan_capture
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.backends.sglang.backend import engine_kwargs, plan_capture
+from hsstore.extractors.layer_select import eagle3_aux_layers
+from hsstore.spec.layers import LayerSpec
 from hsstore.trainers.eagle3.checkpoint import DRAFTER_ARCHITECTURE, sglang_layer_ids
 
 # Classes whose capture code is not in the wheel, with why hsstore cannot vouch for them.
@@ -205,8 +205,8 @@ def test_capture_hook_writes_stored_layers_and_names_problems(tmp_path):
     import torch
     from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput
 
-    from hsstore.extract.sglang_capture import SlotReader
-    from hsstore.extract.sglang_hook import capture_hook
+    from hsstore.extractors.backends.sglang.capture import SlotReader
+    from hsstore.extractors.backends.sglang.hook import capture_hook
 
     h = 4
     config = {
@@ -246,7 +246,7 @@ def test_capture_hook_writes_on_tp_rank_0_only(tmp_path, monkeypatch):
     import torch
     from sglang_fake import ForwardBatch, ForwardMode, LogitsOutput
 
-    from hsstore.extract import sglang_hook
+    from hsstore.extractors.backends.sglang import hook as sglang_hook
 
     monkeypatch.setattr(sglang_hook, "_tp_rank", lambda: 1)
     config = {"mode": "shm", "aux_width": 4, "hidden_size": 4, "layout": [0, 1]}
@@ -260,7 +260,7 @@ def test_capture_hook_writes_on_tp_rank_0_only(tmp_path, monkeypatch):
 def test_append_hook_of_the_list_fallback():
     import torch
 
-    from hsstore.extract.sglang_hook import capture_hook
+    from hsstore.extractors.backends.sglang.hook import capture_hook
 
     class Output:
         def __init__(self, aux, last):

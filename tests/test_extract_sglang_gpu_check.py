@@ -7,8 +7,8 @@ import json
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from hsstore.extract.transformers_backend import TransformersBackend
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.backends.transformers import TransformersBackend
+from hsstore.spec.layers import LayerSpec
 from tools.gpu_check_sglang import (
     CHUNK,
     build_check_models,
@@ -52,7 +52,7 @@ def test_check_models_are_the_architectures_sglang_runs(tmp_path):
     for name, path in models.items():
         tokenizer = AutoTokenizer.from_pretrained(path)
         ids = torch.tensor(tokenizer("the model reads every prompt")["input_ids"])
-        from hsstore.extract.chat_tokens import TokenizedPrompt
+        from hsstore.extractors.chat_tokens import TokenizedPrompt
 
         prompt = TokenizedPrompt("s", 0, ids, torch.ones_like(ids), "x", False)
         backend = TransformersBackend(path, layers, torch_dtype="float32")

@@ -1,7 +1,7 @@
 """Model classes whose SGLang aux capture is wrong are refused before anything is stored.
 
 The reasons are read from the real sglang wheel's sources (never imported), at the lines
-hsstore/extract/sglang_models.py cites and docs/EXTRACT.md lists; the refusal itself is the
+hsstore/extractors/backends/sglang/models.py cites and docs/EXTRACT.md lists; the refusal itself is the
 CLI's, in a child process, before SGLang is even looked for. The real engine's wrong Gemma 3
 states are shown in tests/sglang_engine/test_engine_architectures.py.
 """
@@ -18,7 +18,7 @@ import zipfile
 import pytest
 from sglang_wheel import MODELS, find_wheel
 
-from hsstore.extract.sglang_models import WRONG_AUX_CAPTURE
+from hsstore.extractors.backends.sglang.models import WRONG_AUX_CAPTURE
 
 # (file under sglang/srt/, line, the line's stripped text): what each verdict rests on.
 CITED = [

@@ -2,7 +2,7 @@
 run passes the interrupt on to its workers.
 
 SGLang's engine processes set their parent-death signal only after importing sglang, seconds
-after they start (hsstore/extract/process_group.py); one started by a worker killed before
+after they start (hsstore/extractors/process_group.py); one started by a worker killed before
 that runs on. The engine here starts such a process (it never sets a parent-death signal) and
 then the worker is killed: the runner must end it with the worker's process group. The real
 engine's case is tests/sglang_engine/test_engine_workers.py.
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hsstore.demo_model import build_tiny_model
-from hsstore.extract.runner import ExtractOptions, WorkerFailedError, run_extract
+from hsstore.extractors.runner import ExtractOptions, WorkerFailedError, run_extract
 
 
 def engine_that_dies_leaving_a_process(pid_file: str, **_server_args):
@@ -128,11 +128,11 @@ def test_an_interrupt_reaches_the_workers_in_their_own_groups(tmp_path):
 
 def test_engine_starts_on_cpu_take_turns(tmp_path):
     """While one engine starts on CPU (holding the lock) another waits: SGLang would count the
-    second engine's memory against the first's profile (hsstore/extract/sglang_memory.py)."""
-    from hsstore.extract.sglang_memory import engine_start_lock
+    second engine's memory against the first's profile (hsstore/extractors/backends/sglang/memory.py)."""
+    from hsstore.extractors.backends.sglang.memory import engine_start_lock
 
     code = (
-        "from hsstore.extract.sglang_memory import engine_start_lock\n"
+        "from hsstore.extractors.backends.sglang.memory import engine_start_lock\n"
         "print('waiting', flush=True)\n"
         "with engine_start_lock():\n"
         "    print('started', flush=True)\n"

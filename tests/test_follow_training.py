@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
+from hsstore.commits.runs import completion
 from hsstore.demo_model import build_tiny_model
-from hsstore.format.runs import completion
 from hsstore.loader import Loader
 from hsstore.trainers.eagle3.checkpoint import find_checkpoint, load_trainer_state
 from tests.faults import sitecustomize_env

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format.manifest import FORMAT_VERSION
-from hsstore.format.sealing import seal_document
+from hsstore.spec.manifest import FORMAT_VERSION
+from hsstore.spec.sealing import seal_document
 from tools.synthetic import random_sample
 
 H = 16

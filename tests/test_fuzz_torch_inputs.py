@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsstore.errors import BadInputError
-from hsstore.io.specforge import SpecForgeReader
-from hsstore.io.speculators_v1 import SpeculatorsV1Reader
+from hsstore.interop.formats.specforge import SpecForgeReader
+from hsstore.interop.formats.speculators_v1 import SpeculatorsV1Reader
 from tools.convert_fixtures import v1_data_config, v1_sample
 
 LAYER_IDS = [1, 3]

@@ -21,12 +21,12 @@ pytestmark = pytest.mark.skipif(
 # costs when glibc maps it afresh each time (256 pages) or reuses heap (none).
 _CYCLES = r"""
 import ctypes, json, resource, sys
-from hsstore.format.heap import keep_response_buffers
+from hsstore.storage.heap import keep_response_buffers
 tuned = None
 if sys.argv[1] == "tune":
     tuned = keep_response_buffers()
 elif sys.argv[1] == "storage":  # what every reader of an object store does first
-    from hsstore.format.object_store import ObjectStorage
+    from hsstore.storage.object_store import ObjectStorage
     ObjectStorage(sys.argv[2])
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

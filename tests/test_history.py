@@ -13,8 +13,8 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format import commit
-from hsstore.format.manifest import FORMAT_VERSION
+from hsstore.commits import commit
+from hsstore.spec.manifest import FORMAT_VERSION
 from tools.synthetic import random_sample
 
 H = 32

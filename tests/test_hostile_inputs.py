@@ -28,9 +28,9 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
 from hsstore.errors import BadInputError, FormatError
-from hsstore.format.layout import Layout
-from hsstore.io.safe_load import INFLATE_FLOOR_BYTES, load_torch_file
-from hsstore.io.speculators_v1 import SpeculatorsV1Reader
+from hsstore.interop.formats.safe_load import INFLATE_FLOOR_BYTES, load_torch_file
+from hsstore.interop.formats.speculators_v1 import SpeculatorsV1Reader
+from hsstore.spec.layout import Layout
 from tools.convert_fixtures import v1_sample, write_specforge_dir, write_v1_dir
 
 REPO = Path(__file__).resolve().parents[1]

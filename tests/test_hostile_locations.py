@@ -18,8 +18,8 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format import paths
-from hsstore.format.locations import open_storage
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from tools.synthetic import random_sample
 
 H = 16

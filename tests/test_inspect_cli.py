@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from hsstore.io.speculators_v1 import write_sample
+from hsstore.interop.formats.speculators_v1 import write_sample
 from tools.convert_fixtures import v1_data_config
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "schemas" / "inspect.schema.json").read_text())

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format.runs import run_record
+from hsstore.commits.runs import run_record
 from hsstore.loader import PlannedBatchSampler
 
 H = 8
@@ -56,7 +56,7 @@ def growing(tmp_path, final_norm: bool):
 
 
 def test_speculators_dataset_on_a_following_plan(tmp_path):
-    from hsstore.integrations.speculators import HsstoreArrowDataset
+    from hsstore.interop.integrations.speculators import HsstoreArrowDataset
 
     path, sampler, writer = growing(tmp_path, final_norm=False)  # speculators: pre-norm
     dataset = HsstoreArrowDataset(64, path)  # opened with the first 8 samples
@@ -80,7 +80,7 @@ def test_speculators_dataset_on_a_following_plan(tmp_path):
 
 
 def test_specforge_store_serves_a_following_plan(tmp_path):
-    from hsstore.integrations.specforge import HsstoreFeatureStore
+    from hsstore.interop.integrations.specforge import HsstoreFeatureStore
 
     path, sampler, writer = growing(tmp_path, final_norm=True)  # no target norm needed
     store = HsstoreFeatureStore(path, "run")

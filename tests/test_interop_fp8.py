@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 import hsstore
 from hsstore.cli import main
 from hsstore.errors import BadInputError, FormatError
-from hsstore.format.layers import LayerSpec
-from hsstore.format.manifest import Manifest
 from hsstore.loader import Loader
-from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP
+from hsstore.segment.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP
+from hsstore.spec.layers import LayerSpec
+from hsstore.spec.manifest import Manifest
 from tests.peer_packages import peer
 from tests.test_interop_specforge import PRE_NORM, model_run, read_with_specforge  # noqa: F401
 from tests.test_interop_specforge import H as SPECFORGE_H
@@ -123,7 +123,7 @@ def test_bf16_export_is_what_the_trainer_reads_from_the_fp8_files(tmp_path):
 
 
 def test_adapter_and_loader_deliver_what_fp8_transfer_delivers(tmp_path):
-    from hsstore.integrations.speculators import HsstoreArrowDataset
+    from hsstore.interop.integrations.speculators import HsstoreArrowDataset
 
     data_mod = peer("speculators.train.data")
     src, path = convert_source(tmp_path)
@@ -278,7 +278,7 @@ def test_write_time_stats_describe_the_values(tmp_path):
 
 
 def test_specforge_export_and_feature_store_see_the_dequantized_values(tmp_path, model_run):  # noqa: F811
-    from hsstore.integrations.specforge import HsstoreFeatureStore
+    from hsstore.interop.integrations.specforge import HsstoreFeatureStore
 
     fp8_utils = peer("hs_connectors.fp8_utils")
     model_dir, run = model_run

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from hsstore.convert import convert
 from hsstore.errors import BadInputError
-from hsstore.format.layers import LayerSpec
+from hsstore.interop.convert import convert
+from hsstore.spec.layers import LayerSpec
 from tests.peer_packages import peer
 
 N, H, VOCAB = 4, 32, 128
@@ -168,7 +168,7 @@ def test_export_options_that_do_not_apply_are_refused(tmp_path, model_run):
 
 
 def test_feature_store_adapter_delivers_what_the_files_deliver(tmp_path, model_run):
-    from hsstore.integrations.specforge import HsstoreFeatureStore
+    from hsstore.interop.integrations.specforge import HsstoreFeatureStore
 
     store_mod = peer("specforge.runtime.data_plane.feature_store")
     loader_mod = peer("specforge.runtime.data_plane.feature_dataloader")
@@ -203,7 +203,7 @@ def test_feature_store_adapter_delivers_what_the_files_deliver(tmp_path, model_r
 def test_adapter_refs_name_the_samples_the_readers_refs_name(tmp_path):
     """SpecForge lists an export's files sorted as text (data_0, data_1, data_10, ...): ref i of
     the adapter must be ref i of the reader, so one seed trains on one order in both paths."""
-    from hsstore.integrations.specforge import HsstoreFeatureStore
+    from hsstore.interop.integrations.specforge import HsstoreFeatureStore
 
     reader = peer("specforge.runtime.data_plane.offline_reader")
     store_mod = peer("specforge.runtime.data_plane.feature_store")
@@ -242,7 +242,7 @@ def test_adapter_refs_name_the_samples_the_readers_refs_name(tmp_path):
 def test_reader_order_is_specforges_listing_across_row_groups(tmp_path, monkeypatch):
     """Past one rows_ folder the text order mixes folders too (rows_10-12 before rows_2-4);
     groups of 2 instead of 2000 show it with 13 files instead of 10003."""
-    from hsstore.io import specforge
+    from hsstore.interop.formats import specforge
 
     reader = peer("specforge.runtime.data_plane.offline_reader")
     monkeypatch.setattr(specforge, "GROUP_SIZE", 2)

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 import hsstore
 from hsstore.cli import main
-from hsstore.convert import convert
 from hsstore.errors import BadInputError
-from hsstore.format.layers import LayerSpec
+from hsstore.interop.convert import convert
+from hsstore.spec.layers import LayerSpec
 from tests.peer_packages import peer
 from tools.synthetic import llm_like_states
 
@@ -187,7 +187,7 @@ def test_export_refuses_a_post_norm_final_state(tmp_path):
 
 
 def test_adapter_delivers_what_the_converted_files_deliver(tmp_path):
-    from hsstore.integrations.speculators import HsstoreArrowDataset
+    from hsstore.interop.integrations.speculators import HsstoreArrowDataset
 
     data_mod = peer("speculators.train.data")
     make_dataset(tmp_path / "ds", VLLM_LAYERS, samples())
@@ -210,7 +210,7 @@ def test_adapter_delivers_what_the_converted_files_deliver(tmp_path):
 def test_adapter_takes_arrow_datasets_arguments_and_splits_alike(tmp_path):
     import pickle
 
-    from hsstore.integrations.speculators import HsstoreArrowDataset
+    from hsstore.interop.integrations.speculators import HsstoreArrowDataset
 
     make_dataset(tmp_path / "ds", VLLM_LAYERS, samples())
     convert(tmp_path / "ds", tmp_path / "out", dst_format="speculators-arrow", progress=False)

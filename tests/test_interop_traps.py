@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
-from hsstore.convert import convert
+from hsstore.interop.convert import convert
 from tools.convert_fixtures import write_specforge_dir, write_v1_dir
 
 
@@ -27,7 +27,7 @@ def test_v1_export_says_the_vllm_ids_speculators_07_expects(tmp_path):
 
 
 def test_fresh_v1_data_config_records_both_conventions(tmp_path):
-    from hsstore.format.layers import LayerSpec
+    from hsstore.spec.layers import LayerSpec
 
     layers = [LayerSpec(3), LayerSpec(5), LayerSpec(8)]
     ds = hsstore.create(tmp_path / "ds", layers=layers, hidden_size=8, dtype=torch.bfloat16,

@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 import hsstore
-from hsstore import integrity
 from hsstore.cli import main
-from hsstore.format import damage
-from hsstore.format.local_store import LocalStorage
-from hsstore.format.locations import open_storage
+from hsstore.dataset import integrity
+from hsstore.storage import damage
+from hsstore.storage.local_store import LocalStorage
+from hsstore.storage.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at
 from tests.test_repair_beside_writer import _build, _sample
 

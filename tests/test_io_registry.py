@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 
 from hsstore.cli import main
-from hsstore.convert import convert_to_hsstore
 from hsstore.errors import BadInputError
-from hsstore.io import (
+from hsstore.interop.convert import convert_to_hsstore
+from hsstore.interop.formats import (
     ALL_FORMATS,
     EXPORT_FORMATS,
     FORMATS,

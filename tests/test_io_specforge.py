@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_foreign
+from hsstore.interop.formats import detect_format, open_foreign
 
 
 def bits(t: torch.Tensor) -> bytes:

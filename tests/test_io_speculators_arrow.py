@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_foreign
+from hsstore.interop.formats import detect_format, open_foreign
 from tools.convert_fixtures import write_arrow_dir
 
 

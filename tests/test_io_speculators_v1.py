@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from hsstore.errors import BadInputError
-from hsstore.io import detect_format, open_foreign
-from hsstore.io.speculators_v1 import SpeculatorsV1Reader, build_data_config, write_sample
+from hsstore.interop.formats import detect_format, open_foreign
+from hsstore.interop.formats.speculators_v1 import (
+    SpeculatorsV1Reader,
+    build_data_config,
+    write_sample,
+)
 from tools.convert_fixtures import v1_data_config, write_v1_dir
 
 

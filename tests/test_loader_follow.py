@@ -23,8 +23,8 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits.runs import completion, run_record
 from hsstore.errors import LoaderStateError
-from hsstore.format.runs import completion, run_record
 from hsstore.loader import Loader, PlannedBatchSampler
 from hsstore.loader.follow import FollowTimeoutError, ids_crc
 from hsstore.loader.partition import rank_batches

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import hsstore
-from hsstore import fp8
-from hsstore.format.layers import LayerSpec
+from hsstore.codec import fp8
 from hsstore.loader import Loader
 from hsstore.loader.dequant import dequantize_batch, to_device
 from hsstore.loader.fetch import BatchFetcher
+from hsstore.spec.layers import LayerSpec
 from tests.test_interop_speculators import bits
 from tests.test_loader_prefetch import fake_cuda  # noqa: F401  (a fixture)
 from tools.synthetic import llm_like_states

@@ -11,9 +11,10 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format import commit, paths
-from hsstore.format.locations import open_storage
-from hsstore.format.sealing import seal_document
+from hsstore.commits import commit
+from hsstore.spec import paths
+from hsstore.spec.sealing import seal_document
+from hsstore.storage.locations import open_storage
 from tools.synthetic import random_sample
 
 H = 16

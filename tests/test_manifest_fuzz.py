@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import hsstore
 from hsstore import HsstoreError, LayerSpec
-from hsstore.format.sealing import seal_document
+from hsstore.spec.sealing import seal_document
 from tools.synthetic import random_sample
 
 H = 16
@@ -213,7 +213,7 @@ def test_fast_segment_check_agrees_with_the_schema(mutated):
     """The straight-line segment check is the schema's $defs/segment, rule for rule."""
     import jsonschema
 
-    from hsstore.format import schema
+    from hsstore.spec import schema
 
     root = schema.schema()
     rules = {**root["$defs"]["segment"], "$defs": root["$defs"]}
@@ -247,7 +247,7 @@ _OTHER_RULES = {
 def test_compiled_rules_agree_with_jsonschema_on_every_keyword_they_implement(doc):
     import jsonschema
 
-    from hsstore.format.schema import compile_predicate, compile_rule
+    from hsstore.spec.schema import compile_predicate, compile_rule
 
     strict = jsonschema.validators.extend(
         jsonschema.Draft202012Validator,
@@ -262,7 +262,7 @@ def test_compiled_rules_agree_with_jsonschema_on_every_keyword_they_implement(do
 
 def test_a_keyword_the_compiled_rules_lack_is_refused():
     from hsstore.errors import SchemaError
-    from hsstore.format.schema import compile_predicate, compile_rule
+    from hsstore.spec.schema import compile_predicate, compile_rule
 
     rule = {"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}}
     for compile_ in (compile_rule, compile_predicate):

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.format.sealing import seal_document
 from hsstore.loader import Loader
+from hsstore.spec.sealing import seal_document
 from tools.synthetic import random_sample
 
 H = 64
@@ -331,7 +331,7 @@ def test_an_index_row_that_does_not_fit_the_layout_is_refused(tmp_path, shift, r
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from hsstore.format.codecs import crc32c
+    from hsstore.codec.codecs import crc32c
 
     ds = _build(tmp_path / "ds", commits=1)
     assert ds.manifest.layout.sample_aligned

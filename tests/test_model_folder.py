@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from hsstore.audit.lm_head import load_output_head
 from hsstore.errors import BadInputError
-from hsstore.io.final_norm import load_final_norm
+from hsstore.interop.formats.final_norm import load_final_norm
 from hsstore.model_folder import ModelFolder
 from hsstore.trainers.eagle3.model import load_target_tensors
 

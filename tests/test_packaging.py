@@ -52,7 +52,7 @@ def test_package_schemas_are_the_published_ones():
 
 def test_code_reads_the_package_schema():
     from hsstore import schemas
-    from hsstore.format import schema
+    from hsstore.spec import schema
 
     assert schema.schema() == schemas.load(schemas.MANIFEST)
     assert schema.schema() == json.loads((PUBLISHED_SCHEMAS / schemas.MANIFEST).read_text())
@@ -87,9 +87,9 @@ def test_wheel_ships_the_library_and_not_the_tools(wheel):
     assert "hsstore/demo_model.py" in names and "hsstore/py.typed" in names
     # the compiled modules (the split-zstd decoder, the batch checksums and reads), for this
     # interpreter
-    for module in ("_split_decoder", "_xxh3_many", "_pread_many"):
-        (built,) = [n for n in names if n.startswith(f"hsstore/format/{module}.")]
-        assert built.endswith(".so") and f"hsstore/format/{module}.c" not in names
+    for module in ("codec/_split_decoder", "spec/_xxh3_many", "storage/_pread_many"):
+        (built,) = [n for n in names if n.startswith(f"hsstore/{module}.")]
+        assert built.endswith(".so") and f"hsstore/{module}.c" not in names
 
 
 # Loaded by a .pth line in the wheel's environment: makes the modules named in $HSSTORE_HIDE
@@ -154,7 +154,7 @@ def test_installed_wheel_runs_the_demo_from_another_folder(installed):
     where = run(
         python,
         "-c",
-        "import hsstore, hsstore.extract, hsstore.trainers.eagle3; print(hsstore.__file__)",
+        "import hsstore, hsstore.extractors, hsstore.trainers.eagle3; print(hsstore.__file__)",
     )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(env_dir), where.stdout
@@ -255,7 +255,9 @@ def test_no_import_cycles_in_the_library():
 
     cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
     assert not cycles, "import cycle: " + " -> ".join(cycles[0])
-    assert "hsstore.writer" in graph["hsstore.dataset"]  # the check sees real imports
+    assert (
+        "hsstore.dataset.writer" in graph["hsstore.dataset.dataset"]
+    )  # the check sees real imports
 
 
 def test_readme_ci_and_makefile_agree_on_the_two_commands():

@@ -14,7 +14,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore import segment as segment_module
+from hsstore.segment import reader as segment_module
 from tools.synthetic import random_sample
 
 # 128-byte rows, 16-row chunks, 128-row shards: the 520-row sample spans 33 chunks in 5 shards.

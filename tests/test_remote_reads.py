@@ -12,11 +12,11 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import IntegrityError
-from hsstore.format.local_store import LocalStorage
-from hsstore.format.locations import open_storage
-from hsstore.format.object_store import ObjectStorage
-from hsstore.format.store import Storage
-from hsstore.format.store_cache import DIGEST_SUFFIX
+from hsstore.storage.local_store import LocalStorage
+from hsstore.storage.locations import open_storage
+from hsstore.storage.object_store import ObjectStorage
+from hsstore.storage.store import Storage
+from hsstore.storage.store_cache import DIGEST_SUFFIX
 from tools.synthetic import random_sample
 
 N = 24
@@ -63,7 +63,7 @@ def test_local_read_ranges_returns_each_range_in_order(tmp_path):
 
 
 def test_object_store_read_ranges_batches_splits_and_fills_each_range(remote_url, monkeypatch):
-    import hsstore.format.object_store as object_store
+    import hsstore.storage.object_store as object_store
 
     monkeypatch.setattr(object_store, "SPLIT_BYTES", 1000)
     monkeypatch.setattr(object_store, "GAP_BYTES", 4)

@@ -20,12 +20,12 @@ from click.testing import CliRunner, Result
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
-from hsstore.convert import read_lengths
 from hsstore.errors import HsstoreError, StorageError
-from hsstore.format import paths
-from hsstore.format.locations import open_storage
-from hsstore.format.object_store import ObjectStorage
+from hsstore.interop.convert import read_lengths
 from hsstore.loader import Loader
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
+from hsstore.storage.object_store import ObjectStorage
 from tools.convert_fixtures import write_v1_dir
 from tools.synthetic import random_sample
 
@@ -86,7 +86,7 @@ def test_round_trip_is_bit_exact(remote_url, codec):
 
 
 def test_big_shards_go_up_in_parts_and_read_back(remote_url, monkeypatch):
-    import hsstore.format.object_store as object_store
+    import hsstore.storage.object_store as object_store
 
     monkeypatch.setattr(object_store, "MULTIPART_BYTES", 6 << 20)
     monkeypatch.setattr(object_store, "PART_BYTES", 5 << 20)

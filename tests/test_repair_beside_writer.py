@@ -11,8 +11,8 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import DuplicateSampleError
-from hsstore.format import paths
-from hsstore.format.locations import open_storage
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from tests.faults import stopped_at
 from tools.synthetic import random_sample
 

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from hsstore.stats import _BITS, HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP, LayerStats, StatsAccumulator
+from hsstore.segment.stats import (
+    _BITS,
+    HIST_BINS,
+    HIST_MAX_EXP,
+    HIST_MIN_EXP,
+    LayerStats,
+    StatsAccumulator,
+)
 from tools.synthetic import llm_like_states
 
 

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from hsstore.format.local_store import LocalStorage
-from hsstore.format.locations import open_storage
+from hsstore.storage.local_store import LocalStorage
+from hsstore.storage.locations import open_storage
 
 
 def test_put_if_absent_is_exclusive(tmp_path):

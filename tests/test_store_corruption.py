@@ -11,7 +11,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format.sealing import seal_document
+from hsstore.spec.sealing import seal_document
 from tools.synthetic import random_sample
 
 LENGTHS = [40, 90, 7, 200, 33, 120]
@@ -211,7 +211,7 @@ def test_shard_index_with_valid_crc_but_wrong_sizes_is_refused(tmp_path):
 
     import numpy as np
 
-    from hsstore.format.codecs import crc32c
+    from hsstore.codec.codecs import crc32c
 
     ds = _build(tmp_path / "ds", "none")
     shard = _shards(ds)[0]
@@ -235,7 +235,7 @@ def test_blosc_header_that_disagrees_with_the_chunk_is_refused(tmp_path, field, 
 
     import numpy as np
 
-    from hsstore.format.codecs import crc32c
+    from hsstore.codec.codecs import crc32c
 
     ds = _build(tmp_path / "ds", "split-zstd")
     shard = _shards(ds)[0]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.format.dtypes import storage_view
+from hsstore.spec.dtypes import storage_view
 from tools.synthetic import llm_like_states, random_sample
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 import hsstore
 from hsstore.cli import main
+from hsstore.codec import tiers
 from hsstore.errors import BadInputError, FormatError, IncompatibleDatasetError
-from hsstore.format import tiers
-from hsstore.format.layers import LayerSpec
-from hsstore.format.manifest import Manifest
 from hsstore.loader import Loader
+from hsstore.spec.layers import LayerSpec
+from hsstore.spec.manifest import Manifest
 from tests.peer_packages import peer
 from tests.test_interop_speculators import bits
 from tools.synthetic import llm_like_states

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 import hsstore
 from hsstore.cli import main
-from hsstore.format import tiers
-from hsstore.format.layers import verifier_position
+from hsstore.codec import tiers
 from hsstore.loader import Loader
+from hsstore.spec.layers import verifier_position
 from tests.peer_packages import peer
 from tests.test_interop_speculators import bits
 from tests.test_tiers import LAYERS, H, data, write
@@ -44,7 +44,7 @@ def test_loader_batches_are_the_values_dequantized_by_hand(tmp_path, max_tokens)
 
 
 def test_adapter_delivers_dequantized_values(tmp_path):
-    from hsstore.integrations.speculators import HsstoreArrowDataset
+    from hsstore.interop.integrations.speculators import HsstoreArrowDataset
 
     ds = write(tmp_path / "ds", data(), "fp8-token-layer")
     ours = HsstoreArrowDataset(64, ds.path)

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from hsstore.audit.checks import check_model_depth
-from hsstore.format.layers import LayerSpec, verifier_position
 from hsstore.loader.dataset_handle import LayerChoice
+from hsstore.spec.layers import LayerSpec, verifier_position
 from hsstore.trainers.eagle3.train import split_layers
 
 PRE, NORMED = LayerSpec(8), LayerSpec(8, final_norm=True)

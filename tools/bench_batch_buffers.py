@@ -50,9 +50,9 @@ import xxhash  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
-from hsstore.format import paths  # noqa: E402
 from hsstore.loader import Loader  # noqa: E402
 from hsstore.loader.collate import host_memory  # noqa: E402
+from hsstore.spec import paths  # noqa: E402
 
 MAX_TOKENS = 8192
 

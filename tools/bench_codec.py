@@ -7,7 +7,7 @@ For each data set the states are cut into chunks of the aligned layout (32 rows)
 with `split-zstd`; then, best of --repeats, GB/s of decoded states on one thread:
 
   - decode_into: what a reader pays per chunk (frame checks, crc32c, the decode: hsstore's
-    own decoder of its split frames, `hsstore.format.codecs._SplitDecoder`);
+    own decoder of its split frames, `hsstore.codec.codecs._SplitDecoder`);
   - c-blosc: `numcodecs.blosc.decompress` alone (zstd on the exponent stream, a copy of the
     raw mantissa stream, the unshuffle);
   - exponent stream: only the zstd (Huffman) decode of the exponent bytes, counted against all the decoded bytes: the ceiling of any decoder of these
@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from numcodecs import blosc  # noqa: E402
 
-from hsstore.format.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig  # noqa: E402
-from hsstore.format.layout import ALIGNED_MAX_ROWS  # noqa: E402
+from hsstore.codec.codecs import SPLIT_ZSTD_PARAMS, ChunkCodec, CodecConfig  # noqa: E402
+from hsstore.spec.layout import ALIGNED_MAX_ROWS  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 

@@ -42,8 +42,8 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
-from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
-from hsstore.format.local_store import LocalStorage  # noqa: E402
+from hsstore.codec.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.storage.local_store import LocalStorage  # noqa: E402
 from tools.bench_peers import data_arguments, parse_data_arguments, real, synthetic  # noqa: E402
 from tools.peer_formats import Sample, evict  # noqa: E402
 

@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 import hsstore  # noqa: E402
-from hsstore.convert import convert_to_hsstore  # noqa: E402
-from hsstore.io import open_foreign  # noqa: E402
-from hsstore.io.pipeline import default_workers, ordered_map, torch_threads  # noqa: E402
+from hsstore.interop.convert import convert_to_hsstore  # noqa: E402
+from hsstore.interop.formats import open_foreign  # noqa: E402
+from hsstore.interop.formats.pipeline import default_workers, ordered_map, torch_threads  # noqa: E402
 from tools.convert_fixtures import write_v1_dir  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
-from hsstore.format import commit  # noqa: E402
+from hsstore.commits import commit  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 
 

@@ -73,7 +73,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from hsstore.format.codecs import DEFAULT_CODEC as COMPRESSED  # noqa: E402
+from hsstore.codec.codecs import DEFAULT_CODEC as COMPRESSED  # noqa: E402
 from tools.codec_bounds import (  # noqa: E402
     codec_files_runner,
     codec_held_runner,

@@ -3,7 +3,7 @@
     python tools/bench_lossy.py            # about 6 minutes on 2 cores
     python tools/bench_lossy.py --quick    # smaller data, fewer training steps and seeds
 
-Three sets of bf16 states, each written once per tier (`hsstore.format.tiers`) through the
+Three sets of bf16 states, each written once per tier (`hsstore.codec.tiers`) through the
 real writer and codec:
 
   - synthetic: `tools.synthetic.llm_like_states` (Gaussian channels, massive channels);
@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore.audit.lossy import lossy_report  # noqa: E402
-from hsstore.format.layers import LayerSpec  # noqa: E402
+from hsstore.spec.layers import LayerSpec  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 
 TIERS = ("lossless", "fp8-token", "fp8-token-layer", "bf16-m3", "bf16-m2", "bf16-m1",

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import torch  # noqa: E402
 
 import hsstore  # noqa: E402
-from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
+from hsstore.codec.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.peer_formats import (  # noqa: E402
     COMPRESSED_PEERS,
     PEERS,

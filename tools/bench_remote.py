@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
-from hsstore.format import paths  # noqa: E402
-from hsstore.format.object_store import ObjectStorage  # noqa: E402
 from hsstore.loader import Loader  # noqa: E402
+from hsstore.spec import paths  # noqa: E402
+from hsstore.storage.object_store import ObjectStorage  # noqa: E402
 from tools.seaweed import SeaweedServer  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 

@@ -95,7 +95,7 @@ def build_model(out: Path) -> Path:
 def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
     import torch
 
-    from hsstore.extract.chat_tokens import TokenizedPrompt
+    from hsstore.extractors.chat_tokens import TokenizedPrompt
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -204,7 +204,7 @@ def phase_plain(model: str, batches: int, vocab: int) -> dict[str, Any]:
 def _fraction(model: str) -> float:
     from transformers import AutoConfig
 
-    from hsstore.extract.sglang_memory import cpu_mem_fraction
+    from hsstore.extractors.backends.sglang.memory import cpu_mem_fraction
 
     return cpu_mem_fraction(
         model, AutoConfig.from_pretrained(model), checkpoint_dtype="bfloat16", dtype="bfloat16"
@@ -217,8 +217,8 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
     every process, and in private memory is what the capture costs."""
     import warnings
 
-    from hsstore.extract.layer_select import parse_layers
-    from hsstore.extract.sglang_backend import SGLangBackend
+    from hsstore.extractors.backends.sglang.backend import SGLangBackend
+    from hsstore.extractors.layer_select import parse_layers
 
     layers = parse_layers(LAYER_SPEC, LAYERS)
     with warnings.catch_warnings():
@@ -265,7 +265,7 @@ def _median(values: list[float]) -> float:
 
 
 def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
-    from hsstore.extract.runner import ExtractOptions, run_extract
+    from hsstore.extractors.runner import ExtractOptions, run_extract
     from tools.gpu_check_sglang import write_prompts
 
     data = write_prompts(Path(work) / f"p{rows}.jsonl", rows, seed=1)

@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
+from hsstore.codec.codecs import DEFAULT_CODEC  # noqa: E402
 from hsstore.cores import default_read_threads  # noqa: E402
-from hsstore.format.codecs import DEFAULT_CODEC  # noqa: E402
 from tools.synthetic import llm_like_states  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 

@@ -32,9 +32,9 @@ import numpy as np
 def held_chunks(path: Path):
     """The dataset at ``path``, its codec and, per shard, the file and its chunks' ranges."""
     import hsstore
-    from hsstore.format import paths
-    from hsstore.format.codecs import ChunkCodec
-    from hsstore.format.segment_layout import EMPTY
+    from hsstore.codec.codecs import ChunkCodec
+    from hsstore.spec import paths
+    from hsstore.spec.segment_layout import EMPTY
 
     ds = hsstore.open(path)
     man = ds.manifest
@@ -209,7 +209,7 @@ def time_codec_calls() -> list[float]:
     the returned one-element list (a benchmark's own process only: the codec is wrapped)."""
     import time
 
-    from hsstore.format.codecs import ChunkCodec
+    from hsstore.codec.codecs import ChunkCodec
 
     spent = [0.0]
     decode_into = ChunkCodec.decode_into

@@ -182,7 +182,7 @@ def build_check_models(work: Path, *, hidden: int = 512, layers: int = 6) -> dic
 
 
 def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
-    from hsstore.extract.runner import ExtractOptions, run_extract
+    from hsstore.extractors.runner import ExtractOptions, run_extract
 
     t0 = time.perf_counter()
     summary = run_extract(
@@ -194,7 +194,7 @@ def extract(model: str, data: Path, out: Path, **kw: Any) -> dict[str, Any]:
 
 def compare(ref_dir: Path, other_dir: Path) -> dict[str, Any]:
     """Per stored layer: worst relative error, worst cosine, distance to the other layers."""
-    from hsstore.extract.check import compare_datasets
+    from hsstore.extractors.check import compare_datasets
 
     return compare_datasets(ref_dir, other_dir)
 
@@ -203,8 +203,8 @@ def chunked_prefill_is_caught(model: str, data_dir: Path) -> dict[str, Any]:
     """With chunked prefill on, a long prompt must make the adapter fail, not store rows."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from hsstore.extract.runner import WorkerFailedError
-    from hsstore.extract.sglang_backend import SGLangResponseError
+    from hsstore.extractors.backends.sglang.backend import SGLangResponseError
+    from hsstore.extractors.runner import WorkerFailedError
 
     context = int(AutoConfig.from_pretrained(model).max_position_embeddings)
     text = chunked_prompt_text(AutoTokenizer.from_pretrained(model), context)
@@ -239,9 +239,9 @@ def capture_copy_check(device: str = "cuda", rows: int = 4096, hidden: int = 716
 
     import torch
 
-    from hsstore.extract.sglang_capture import SlotReader, make_capture_dir
-    from hsstore.extract.sglang_checks import states_from_captures
-    from hsstore.extract.sglang_hook import sink_for
+    from hsstore.extractors.backends.sglang.capture import SlotReader, make_capture_dir
+    from hsstore.extractors.backends.sglang.checks import states_from_captures
+    from hsstore.extractors.backends.sglang.hook import sink_for
 
     layers = 4
     x = torch.randn(rows, layers * hidden, device=device).to(torch.bfloat16)

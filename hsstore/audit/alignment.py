@@ -13,7 +13,7 @@ import torch
 from hsstore.audit.collect import SHIFTS
 from hsstore.audit.lm_head import UNIT_RMS_TOL, OutputHead
 from hsstore.audit.verdict import CheckResult, fail, ok, skip, warn
-from hsstore.format.layers import LayerSpec
+from hsstore.spec.layers import LayerSpec
 
 # The declared cell may trail the best one by this much before it counts as beaten (noise).
 MARGIN = 0.02

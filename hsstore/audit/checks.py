@@ -17,7 +17,7 @@ import torch
 from hsstore.audit.collect import SampleRecord
 from hsstore.audit.norm_fit import BROKEN, HOLDS, norm_fit, rows_needed
 from hsstore.audit.verdict import CheckResult, fail, ok, skip, warn
-from hsstore.format.layers import LayerSpec, verifier_position
+from hsstore.spec.layers import LayerSpec, verifier_position
 
 SHOW = 5  # sample ids quoted in a reason line
 # Relative distance below which two stored layers count as "nearly identical".

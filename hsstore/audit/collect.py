@@ -16,7 +16,7 @@ import torch
 
 from hsstore.audit.layer_stats import LayerAccumulator, PairAccumulator
 from hsstore.audit.sampling import RowReservoir
-from hsstore.stats import StatsAccumulator
+from hsstore.segment.stats import StatsAccumulator
 
 SHIFTS = (-1, 0, 1)  # token shifts the lm-head check compares (0 = the declared alignment)
 

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.dataset import Dataset
+from hsstore.commits.runs import completion
+from hsstore.dataset.dataset import Dataset
 from hsstore.errors import HsstoreError, NotADatasetError
-from hsstore.format.layers import LayerSpec
-from hsstore.format.locations import is_url
-from hsstore.format.runs import completion
-from hsstore.io.base import ForeignReader
-from hsstore.stats import LayerStats
+from hsstore.interop.formats.base import ForeignReader
+from hsstore.segment.stats import LayerStats
+from hsstore.spec.layers import LayerSpec
+from hsstore.storage.locations import is_url
 
 
 @dataclass
@@ -59,7 +59,7 @@ class AuditSource:
     dtype: str
     model: dict[str, Any]
     codec: dict[str, Any] | None = None
-    extraction: dict[str, Any] | None = None  # what the run records say (hsstore.format.runs)
+    extraction: dict[str, Any] | None = None  # what the run records say (hsstore.commits.runs)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -176,7 +176,7 @@ def open_audit_source(
     no format fits, BadInputError when a foreign directory cannot be opened.
     """
     import hsstore
-    from hsstore.io import detect_format, open_foreign
+    from hsstore.interop.formats import detect_format, open_foreign
 
     if is_url(path):  # only hsstore datasets live in object storage
         return HsstoreSource(hsstore.open(path))

@@ -1,7 +1,7 @@
 """Per-layer statistics measured by inspect on the rows it reads.
 
 The totals every reader of statistics shares (rows, all-zero and non-finite rows, mean, std,
-RMS, min, max) are hsstore.stats' ``StatsAccumulator``, the one the writer records, here run on
+RMS, min, max) are hsstore.segment.stats' ``StatsAccumulator``, the one the writer records, here run on
 every row. What it cannot see is per-token structure: NaN and Inf counts, constant rows, the
 spread of per-token RMS, how close two layers are. These accumulators add that, streaming over
 [T, H] slices so memory stays flat.
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hsstore.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP, LayerStats
+from hsstore.segment.stats import HIST_BINS, HIST_MAX_EXP, HIST_MIN_EXP, LayerStats
 
 # Element-magnitude histogram, on the same log2 bins as the write-time row histogram:
 # bin k counts |x| with floor(log2|x|) == HIST_MIN_EXP + k.

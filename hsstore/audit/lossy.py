@@ -1,6 +1,6 @@
 """What a lossy tier cost: inspect's report of a dataset's tier against a reference.
 
-Per stored layer: the tier's error bound (``|x̂ - x| <= r |x| + a s``, `hsstore.format.tiers`)
+Per stored layer: the tier's error bound (``|x̂ - x| <= r |x| + a s``, `hsstore.codec.tiers`)
 and, when a reference dataset holding the same samples at full precision is given, the error
 measured on the values a trainer reads (bf16, dequantized) against the reference's:
 
@@ -25,10 +25,10 @@ from hsstore.audit.inputs import AuditSource, HsstoreSource
 from hsstore.audit.lm_head import OutputHead, load_output_head
 from hsstore.audit.run import AuditOptions
 from hsstore.audit.run import _final_layers as final_layers
-from hsstore.dataset import Dataset
+from hsstore.codec.tiers import Tier, name_of
+from hsstore.dataset.dataset import Dataset
 from hsstore.errors import BadInputError
-from hsstore.format.layers import verifier_position
-from hsstore.format.tiers import Tier, name_of
+from hsstore.spec.layers import verifier_position
 
 
 def _bound_of(tier: Tier | None, position: int, final_position: int) -> tuple[float, float]:

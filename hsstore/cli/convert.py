@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
-from hsstore.format.codecs import CODEC_NAMES, DEFAULT_CODEC
-from hsstore.io import ALL_FORMATS, EXPORT_FORMATS, FORMATS, HSSTORE, FormatOption
+from hsstore.codec.codecs import CODEC_NAMES, DEFAULT_CODEC
+from hsstore.interop.formats import ALL_FORMATS, EXPORT_FORMATS, FORMATS, HSSTORE, FormatOption
 
 
 def _parse_ids(value: str | None) -> list[int] | None:
@@ -129,7 +129,7 @@ def command(
     **format_options: Any,
 ) -> None:
     """Convert SRC into DST (resumable: rerun the same command after an interruption)."""
-    from hsstore.convert import convert
+    from hsstore.interop.convert import convert
 
     def report(name: str, reason: str) -> None:
         label = "skipped" if on_error == "skip" else "bad input"

@@ -1,6 +1,6 @@
 """``hsstore extract``: run a target model over prompts and store its hidden states.
 
-The work is done by the ``hsstore.extract`` package; this module only maps options to it.
+The work is done by the ``hsstore.extractors`` package; this module only maps options to it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
-from hsstore.extract.options import cli_fields
+from hsstore.extractors.options import cli_fields
 
 
 def _option_flags(command: Callable) -> Callable:
@@ -42,8 +42,8 @@ def _option_flags(command: Callable) -> Callable:
 @handle_errors
 def command(tp_size: int | None, mem_fraction: float | None, as_json: bool, **given: Any) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
-    from hsstore.extract.runner import ExtractOptions, run_extract
-    from hsstore.format.tiers import checked
+    from hsstore.codec.tiers import checked
+    from hsstore.extractors.runner import ExtractOptions, run_extract
 
     checked(given.get("tier"))  # an unknown name fails before any model is loaded
 

@@ -22,8 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from hsstore.format.damage import read_ranges_into_io
-from hsstore.segment_rows import PlannedRead, RawSamplesRead
+from hsstore.segment.rows import PlannedRead, RawSamplesRead
+from hsstore.storage.damage import read_ranges_into_io
 
 BUFFER_BYTES = 4 << 20
 BUFFERS = 4

@@ -18,15 +18,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hsstore import fp8
-from hsstore.dataset import Dataset
-from hsstore.dataset import open as open_dataset
+from hsstore.codec import fp8, tiers
+from hsstore.dataset.dataset import Dataset
+from hsstore.dataset.dataset import open as open_dataset
 from hsstore.errors import BadInputError
-from hsstore.format import paths, tiers
-from hsstore.format.layers import LayerSpec, verifier_position
-from hsstore.format.manifest import Manifest
-from hsstore.format.store import Storage
-from hsstore.segment_rows import PlannedRead
+from hsstore.segment.rows import PlannedRead
+from hsstore.spec import paths
+from hsstore.spec.layers import LayerSpec, verifier_position
+from hsstore.spec.manifest import Manifest
+from hsstore.storage.store import Storage
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class DatasetSource:
         self._all_layers = list(range(len(self.layers)))
         man = ds.manifest
         self.hidden_size = man.hidden_size
-        # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.fp8).
+        # fp8 states are delivered dequantized, as speculators' trainer reads them (hsstore.codec.fp8).
         self.dtype = fp8.DEQUANTIZED_DTYPE if man.scaled else man.torch_dtype
         self.stored_dtype = man.torch_dtype
         self.tier = man.tier

@@ -4,7 +4,7 @@ A batch of a scaled dataset (``fp8-token``, ``fp8-token-layer``) is decoded in i
 fp8 states plus float32 scales (`collate.RawBatch.scales`), half the bytes of bf16 values.
 Bound for a GPU it crosses PCIe in that form and is dequantized there, after the copy; on the
 CPU it is dequantized once per batch, into host buffers. Both run `dequantize_batch`, whose
-arithmetic is `hsstore.fp8.dequantize` (hs-connectors' ``fp8.to(bf16) * scale.to(bf16)``), so
+arithmetic is `hsstore.codec.fp8.dequantize` (hs-connectors' ``fp8.to(bf16) * scale.to(bf16)``), so
 the values are bit for bit those of `Sample.dequantized` whatever the device.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from hsstore import fp8
+from hsstore.codec import fp8
 from hsstore.loader.collate import RawBatch
 
 

@@ -3,7 +3,7 @@
 A following loader starts from the version committed when it starts (``start_version``: the
 first window is every sample of it) and reads the versions published after it one by one.
 A window is cut at the first version that adds at least ``window`` samples to the last cut,
-and a last one when the extraction's run records say it is complete (``hsstore.format.runs``)
+and a last one when the extraction's run records say it is complete (``hsstore.commits.runs``)
 or the first ``until`` samples are in. Versions are immutable and positions only ever get
 appended, so this rule gives every rank, and every resumed run, the same windows from the
 same history however late it reads it: windows need no coordination, only the start version
@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from hsstore.commits import commit
+from hsstore.commits.runs import completion
 from hsstore.errors import HsstoreError, LoaderStateError, NotADatasetError
-from hsstore.format import commit, paths
-from hsstore.format.manifest import Delta, Manifest
-from hsstore.format.runs import completion
 from hsstore.loader.batching import WAIT, BatchPlan
 from hsstore.loader.dataset_handle import DatasetSource
 from hsstore.loader.plan import PlanConfig, global_plan
+from hsstore.spec import paths
+from hsstore.spec.manifest import Delta, Manifest
 
 __all__ = ["WAIT", "FirstPass", "FollowConfig", "FollowState", "rank_len", "rank_steps"]
 

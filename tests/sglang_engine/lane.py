@@ -22,7 +22,7 @@ STUB = HERE / "stub"  # the sgl_kernel stand-in
 ROOT = HERE.parent.parent
 LOG_ENV = "HSSTORE_SGL_KERNEL_LOG"  # where the stand-in records imports and calls
 # no --mem-fraction: every run starts its engine on the fraction hsstore computes for CPU
-# (hsstore/extract/sglang_memory.py), where SGLang's own default is negative
+# (hsstore/extractors/backends/sglang/memory.py), where SGLang's own default is negative
 ENGINE_ARGS = ["--backend", "sglang", "--device", "cpu"]
 ROWS = [
     {

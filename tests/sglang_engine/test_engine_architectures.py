@@ -30,9 +30,9 @@ from lane import (
 )
 
 import hsstore
-from hsstore.extract.layer_select import eagle3_aux_layers, parse_layers
-from hsstore.extract.sglang_backend import plan_capture
-from hsstore.format.layers import LayerSpec
+from hsstore.extractors.backends.sglang.backend import plan_capture
+from hsstore.extractors.layer_select import eagle3_aux_layers, parse_layers
+from hsstore.spec.layers import LayerSpec
 
 N = tiny_models.N_LAYERS
 UNREFUSED = HERE / "unrefused"  # a sitecustomize that lifts hsstore's refusals (Gemma 3 here)
@@ -156,7 +156,7 @@ def test_gemma3_aux_states_are_wrong_and_the_check_says_so(tmp_path, prompts):
     stores each layer's MLP branch (models/gemma3_causal.py keeps the residual apart and appends
     ``hidden_states``), and --check-against transformers refuses it, naming the aux layers, while
     the final state agrees. Once an SGLang release captures it right, this test fails: then the
-    refusal (hsstore/extract/sglang_models.py) is to be lifted for that release."""
+    refusal (hsstore/extractors/backends/sglang/models.py) is to be lifted for that release."""
     model = tiny_models.build("Gemma3ForCausalLM", tmp_path / "model")
     args = extract(model, prompts, tmp_path / "ds", "--dtype", "float32")
     env = {"PYTHONPATH": f"{UNREFUSED}:{os.environ['PYTHONPATH']}"}

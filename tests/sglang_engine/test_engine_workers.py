@@ -17,7 +17,7 @@ import torch
 from lane import ENGINE_ARGS, Reference, cli, compare, finish, run_cli, write_prompts
 
 import hsstore
-from hsstore.extract.sglang_memory import engine_start_lock_path
+from hsstore.extractors.backends.sglang.memory import engine_start_lock_path
 
 ROWS = [
     {"text": f"Sample number {i}: the quick brown fox jumps over {i} lazy dogs."} for i in range(8)

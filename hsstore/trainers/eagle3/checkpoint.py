@@ -62,7 +62,7 @@ def sglang_layer_ids(
     every target. Otherwise the target's rule decides: ids are the depths themselves for
     SGLANG_FIRST_ID_RULE_TARGETS (with 1 not first), depth - 1 for the rest.
     """
-    from hsstore.format import conventions
+    from hsstore.spec import conventions
 
     first_id_rule = target_architecture in SGLANG_FIRST_ID_RULE_TARGETS
     rule = conventions.SGLANG_DEEPSEEK if first_id_rule else conventions.SGLANG_LLAMA
@@ -82,10 +82,10 @@ def framework_layer_ids(
 
     hsstore stores depths (decoder layers applied, 0 = embeddings). vLLM and speculators'
     configs capture "the residual entering layer j", i.e. depth j (translated by
-    ``hsstore.format.conventions``); SGLang's ids depend on the target's rule and are chosen by
+    ``hsstore.spec.conventions``); SGLang's ids depend on the target's rule and are chosen by
     :func:`sglang_layer_ids`.
     """
-    from hsstore.format import conventions
+    from hsstore.spec import conventions
 
     out: dict[str, list[int] | None] = {}
     try:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from hsstore.dataset import Dataset
+from hsstore.commits.runs import completion
+from hsstore.dataset.dataset import Dataset
 from hsstore.errors import NotADatasetError
-from hsstore.format.runs import completion
 
 
 def wait_for_dataset(path: str, timeout_s: float | None, poll_s: float = 0.2) -> Dataset:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hsstore.format.layers import verifier_position
-from hsstore.format.runs import completion
+from hsstore.commits.runs import completion
+from hsstore.spec.layers import verifier_position
 from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
     load_drafter,

@@ -1,0 +1,1 @@
+"""The commit protocol: publishing versions, the history, writer leases, extraction runs."""

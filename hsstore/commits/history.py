@@ -1,0 +1,287 @@
+"""Reading the version history: which versions exist, the state at one of them, and whether
+committed versions were lost.
+
+The state at version N is the newest checkpoint (or full manifest) at or below N plus the
+deltas after it. Three kinds of evidence tell a lost newest version from a history that simply
+ends (docs/FORMAT.md, "Versions"; docs/DESIGN.md): the hint (``manifests/_latest``, self-checked, so a damaged
+one is only ignored), the hash chain (every delta names its predecessor's checksum, and the
+hint names the newest one's), and the commit marks that a writer leaves in each segment once
+its version is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from hsstore.errors import FormatError, HsstoreError, IntegrityError, NotADatasetError
+from hsstore.spec import paths
+from hsstore.spec.manifest import Delta, Manifest, SegmentInfo, load_document
+from hsstore.storage.store import Storage
+
+# How often an open re-reads the history when a commit mark names a version it has not seen
+# (a writer publishing right then): after that, the version is taken for lost.
+_RELIST_ATTEMPTS = 3
+
+
+def list_versions(storage: Storage) -> list[int]:
+    versions = [paths.manifest_version(n) for n in storage.list(paths.MANIFESTS)]
+    return sorted(v for v in versions if v is not None)
+
+
+def list_checkpoints(storage: Storage) -> list[int]:
+    found = [paths.checkpoint_version(n) for n in storage.list(paths.MANIFESTS)]
+    return sorted(v for v in found if v is not None)
+
+
+def read_version(storage: Storage, version: int) -> Manifest | Delta:
+    """One version file, parsed and checked (checksum, schema, name)."""
+    key = paths.manifest_key(version)
+    try:
+        data = storage.read_bytes(key)
+    except FileNotFoundError as exc:
+        raise NotADatasetError(f"no manifest version {version}", path=storage.path_of(key)) from exc
+    doc = load_document(data, where=storage.path_of(key))
+    if doc.version != version:
+        raise FormatError(
+            f"manifest says version {doc.version} but is named for {version}",
+            path=storage.path_of(key),
+        )
+    return doc
+
+
+def read_checkpoint(storage: Storage, version: int) -> Manifest:
+    key = paths.checkpoint_key(version)
+    try:
+        man = Manifest.from_bytes(storage.read_bytes(key), where=storage.path_of(key))
+    except FileNotFoundError as exc:
+        raise FormatError(f"checkpoint {version} is missing", path=storage.path_of(key)) from exc
+    if man.version != version:
+        raise FormatError(
+            f"checkpoint says version {man.version} but is named for {version}",
+            path=storage.path_of(key),
+        )
+    return replace(man, head_checksum=None)  # its own checksum is not the version file's
+
+
+def fold(storage: Storage, version: int, checkpoints: list[int]) -> Manifest:
+    """The state at ``version``: the newest usable base at or below it plus the deltas after.
+
+    Checkpoints are redundant (the deltas hold the same facts): one that is damaged or was
+    pruned meanwhile is passed over for an older base (verify reports it).
+    """
+    bases = [0, *(c for c in checkpoints if c <= version)]
+    deltas: list[Delta] = []
+    man: Manifest | None = None
+    v = version
+    while man is None:
+        base = bases.pop()
+        while v > base and man is None:
+            doc = read_version(storage, v)
+            if isinstance(doc, Manifest):
+                man = doc
+            else:
+                deltas.append(doc)
+                v -= 1
+        if man is None:
+            if not base:
+                raise FormatError("version 1 is not a full manifest", path=storage.root)
+            try:
+                man = read_checkpoint(storage, base)
+            except HsstoreError:
+                continue
+    for delta in reversed(deltas):
+        man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
+    if not deltas and man.version == version and v == base and base:
+        # The version is a checkpoint's: the chain's link is its own file's checksum (a
+        # damaged file is reported by verify; the state itself came from the checkpoint).
+        with contextlib.suppress(HsstoreError):
+            man = replace(man, head_checksum=_checksum_of(read_version(storage, version)))
+    return man
+
+
+def _checksum_of(doc: Manifest | Delta) -> str | None:
+    return doc.checksum if isinstance(doc, Delta) else doc.head_checksum
+
+
+def load_manifest(storage: Storage, version: int | None = None) -> Manifest:
+    """The given version, or the latest. Raises NotADatasetError when there is none.
+
+    Reads the newest checkpoint (or full manifest) at or below the version and the deltas
+    after it: a bounded number of files, whatever the length of the history. The latest
+    version is also checked against the evidence of lost versions (`check_history`).
+    """
+    for attempt in range(_RELIST_ATTEMPTS):
+        names = storage.list(paths.MANIFESTS)
+        versions = sorted(v for v in map(paths.manifest_version, names) if v is not None)
+        checkpoints = sorted(v for v in map(paths.checkpoint_version, names) if v is not None)
+        if not versions:
+            raise NotADatasetError(
+                "not an hsstore dataset (no manifests/ with a committed version)",
+                path=storage.root,
+            )
+        if version is not None:
+            return fold(storage, version, checkpoints)
+        check_not_rolled_back(storage, versions[-1])
+        man = fold(storage, versions[-1], checkpoints)
+        check_hint_matches(storage, man)
+        lost = lost_commits(storage, man)
+        if not lost:
+            return man
+        if attempt + 1 < _RELIST_ATTEMPTS and max(v for _, v in lost) > man.version:
+            continue  # a writer may have published meanwhile: its version is listed now
+        raise _lost_error(storage, man, lost)
+    raise AssertionError("unreachable")
+
+
+# -- the hint --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What ``manifests/_latest`` says: a version and its file's checksum, or why it is unusable
+    (``problem``; a missing hint has neither)."""
+
+    version: int | None = None
+    checksum: str | None = None
+    problem: str | None = None
+
+
+def _hint_tag(body: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"hsstore-hint {body}".encode())[:8]
+
+
+def encode_hint(version: int, checksum: str | None) -> bytes:
+    """``"{version} {checksum of its file or -} {tag}\\n"``; the tag (8 hex digits of XXH3-64)
+    lets a reader tell a damaged hint from a true one."""
+    body = f"{version} {checksum or '-'}"
+    return f"{body} {_hint_tag(body)}\n".encode()
+
+
+def read_hint(storage: Storage) -> Hint:
+    try:
+        data = storage.read_bytes(paths.LATEST_HINT)
+    except FileNotFoundError:
+        return Hint()
+    except (HsstoreError, OSError) as exc:  # a FIFO, a directory, an unreadable file
+        return Hint(problem=f"version hint cannot be read ({exc})")
+    text = data.decode("ascii", "replace").strip()
+    parts = text.split(" ")
+    if len(parts) == 1 and text.isdigit() and len(text) <= 16:
+        return Hint(version=int(text))  # written before hints carried a tag
+    if (
+        len(parts) == 3
+        and parts[0].isdigit()
+        and len(parts[0]) <= 16
+        and parts[2] == _hint_tag(f"{parts[0]} {parts[1]}")
+    ):
+        return Hint(version=int(parts[0]), checksum=None if parts[1] == "-" else parts[1])
+    return Hint(problem=f"version hint is damaged ({text[:40]!r}); it is ignored")
+
+
+def announced_version(storage: Storage) -> int | None:
+    """The version the hint names (None when there is none, or it is damaged: a hint is only
+    a hint, and the listing decides)."""
+    return read_hint(storage).version
+
+
+def check_not_rolled_back(storage: Storage, latest: int) -> None:
+    """Raise if a version above ``latest`` was announced: the newest manifest was deleted."""
+    hint = announced_version(storage)
+    if hint is not None and hint > latest and not storage.exists(paths.manifest_key(latest + 1)):
+        raise IntegrityError(
+            f"version {hint} was published but manifests/v{latest + 1:08d}.json is missing: the "
+            f"newest versions were deleted or rolled back (restore them, or run `hsstore "
+            f"repair` to accept the loss)",
+            path=storage.root,
+        )
+
+
+def check_hint_matches(storage: Storage, latest: Manifest) -> None:
+    """Raise if the hint names the latest version with another file checksum: that version
+    was replaced (deleted, then published again by someone else)."""
+    hint = read_hint(storage)
+    if (
+        hint.version == latest.version
+        and hint.checksum is not None
+        and latest.head_checksum is not None
+        and hint.checksum != latest.head_checksum
+    ):
+        raise IntegrityError(
+            f"manifests/v{latest.version:08d}.json is not the version {latest.version} that was "
+            f"announced (checksum {latest.head_checksum}, announced {hint.checksum}): it was "
+            f"replaced (restore it, or run `hsstore repair` to accept the loss)",
+            path=storage.root,
+        )
+
+
+# -- commit marks ----------------------------------------------------------------------------
+
+
+def mark_key(segment_id: str) -> str:
+    return paths.segment_file(segment_id, paths.COMMITTED_MARK)
+
+
+def mark_committed(storage: Storage, published: Manifest, segments: list[SegmentInfo]) -> None:
+    """Record in each segment that ``published`` added it (after the publish: positive
+    evidence, never written for a version that did not land). The mark holds the segment's
+    manifest entry, so a repair can list it again if that version's file is lost."""
+    for seg in segments:
+        doc = {
+            "version": published.version,
+            "dataset_id": published.dataset_id,
+            "segment": seg.to_json(),
+        }
+        storage.put(mark_key(seg.id), json.dumps(doc, sort_keys=True).encode())
+
+
+def read_mark(storage: Storage, segment_id: str) -> dict | None:
+    """A segment's commit mark (None when it has none or it does not parse)."""
+    try:
+        doc = json.loads(storage.read_bytes(mark_key(segment_id)))
+    except FileNotFoundError:
+        return None
+    except (HsstoreError, OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("version"), int) else None
+
+
+def lost_commits(storage: Storage, latest: Manifest) -> list[tuple[str, int]]:
+    """(segment id, version) of every segment a published version added that ``latest`` does
+    not list: evidence that committed versions were lost. One listing of segments/, plus one
+    read per unreferenced segment (the folders of writers still at work, usually none)."""
+    listed = {s.id for s in latest.segments}
+    listed |= {r.get("segment") for r in latest.provenance.get("repairs", [])}  # decided
+    lost = []
+    for name in storage.list(paths.SEGMENTS):
+        if name in listed or not paths.is_segment_id(name):
+            continue
+        if not storage.exists(mark_key(name)):
+            continue
+        mark = read_mark(storage, name)
+        if mark is None or mark.get("dataset_id") != latest.dataset_id:
+            continue
+        if mark["version"] > latest.version and storage.exists(paths.manifest_key(mark["version"])):
+            continue  # published after ``latest`` was read (a writer at work): not lost
+        lost.append((name, mark["version"]))
+    return lost
+
+
+def _lost_error(storage: Storage, latest: Manifest, lost: list[tuple[str, int]]) -> IntegrityError:
+    versions = sorted({v for _, v in lost})
+    named = ", ".join(f"v{v}" for v in versions[:4]) + (" ..." if len(versions) > 4 else "")
+    return IntegrityError(
+        f"{len(lost)} segment(s) committed by version(s) {named} are not in the latest version "
+        f"{latest.version} (first: {lost[0][0]}): committed versions were deleted or rolled "
+        f"back (restore manifests/, or run `hsstore repair` to list them again)",
+        path=storage.root,
+    )
+
+
+def check_no_lost_commits(storage: Storage, latest: Manifest) -> None:
+    lost = lost_commits(storage, latest)
+    if lost:
+        raise _lost_error(storage, latest, lost)

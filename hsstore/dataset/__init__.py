@@ -1,0 +1,1 @@
+"""The dataset: create, open, write, samples and their checks, verify and repair."""

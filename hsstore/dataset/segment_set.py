@@ -1,0 +1,89 @@
+"""The segments of one version that a view reads: a reader and a sample index for each, and
+the segments left out because their index is damaged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from hsstore.errors import HsstoreError, IntegrityError, StorageError
+from hsstore.segment.reader import SegmentReader
+from hsstore.spec import paths
+from hsstore.spec.manifest import Manifest
+from hsstore.storage.store import Storage
+
+
+@dataclass(frozen=True)
+class LoadedSegments:
+    """What `load_segments` found; ``ids`` are every segment of the version, read or not."""
+
+    ids: tuple[str, ...] = ()
+    readers: list[SegmentReader] = field(default_factory=list)
+    tables: list[pa.Table] = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)
+
+
+def load_segments(
+    storage: Storage, manifest: Manifest, previous: LoadedSegments | None
+) -> LoadedSegments:
+    """Read the index of each segment of ``manifest`` not in ``previous`` (the segments an
+    earlier version of the same view loaded, kept with their readers when the version only
+    appends to them)."""
+    previous = previous or LoadedSegments()
+    readers, tables = list(previous.readers), list(previous.tables)
+    seen, unreadable = previous.ids, dict(previous.unreadable)
+    n = len(seen)
+    if tuple(s.id for s in manifest.segments[:n]) != seen:  # a repair removed some
+        readers, tables, seen, unreadable = [], [], (), {}
+        n = 0
+    for info in manifest.segments[n:]:
+        # A segment whose index cannot be read is left out of the view, named in
+        # `unreadable`: damage stays in the samples it touched (verify names them, and
+        # `hsstore.repair` publishes a version without them).
+        reader = SegmentReader(storage, manifest, info)
+        try:
+            table = reader.index()
+            if table.num_rows != info.num_samples:
+                raise IntegrityError(
+                    f"index has {table.num_rows} rows, manifest says {info.num_samples}",
+                    path=reader.where(paths.INDEX),
+                )
+        except HsstoreError as exc:
+            if not is_damage(exc) or file_intact(reader, paths.INDEX):
+                # A storage that failed to answer (the view stays at its old version), or
+                # intact bytes that disagree with the manifest: neither is local damage.
+                raise
+            unreadable[info.id] = str(exc)
+            continue
+        except OSError as exc:
+            if not is_damage(exc):
+                raise
+            unreadable[info.id] = f"{exc.filename or reader.where(paths.INDEX)}: " + (
+                f"cannot read ({exc.strerror or exc})"
+            )
+            continue
+        readers.append(reader)
+        tables.append(table)
+    return LoadedSegments(tuple(s.id for s in manifest.segments), readers, tables, unreadable)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether a failed read shows damage to committed files (missing, truncated, a FIFO where
+    a file belongs, bytes failing their checksum), rather than a storage that failed to answer
+    (a network error, an I/O error), which a later read may get past: only damage makes a
+    segment unreadable or a sample's read an IntegrityError."""
+    if isinstance(exc, HsstoreError):
+        return not isinstance(exc, StorageError)
+    return isinstance(
+        exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    )
+
+
+def file_intact(reader: SegmentReader, relpath: str) -> bool:
+    """Whether a committed file reads with the size and crc32c the manifest recorded."""
+    try:
+        reader.read_small(relpath)
+    except (HsstoreError, OSError):
+        return False
+    return True

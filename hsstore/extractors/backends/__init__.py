@@ -1,0 +1,1 @@
+"""The engines that run a model and capture its states: transformers, SGLang."""

@@ -1,0 +1,1 @@
+"""The SGLang engine backend: states captured inside the engine into shared-memory slots."""

@@ -1,1 +1,0 @@
-"""What a dataset IS: manifest, layer semantics, file names, storage and the atomic commit."""

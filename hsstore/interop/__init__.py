@@ -1,0 +1,1 @@
+"""Foreign formats (readers, writers, registry), convert, re-encode, training integrations."""

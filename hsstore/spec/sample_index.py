@@ -1,0 +1,91 @@
+"""What a segment's ``index.parquet`` holds, and the checksum each of its rows carries.
+
+One row per sample (docs/FORMAT.md, "The sample index"). The checksum is XXH3-64 over the sample's
+stored bytes in a fixed order, so a reader can check a whole-sample read without a second
+pass: it feeds the states to the hasher as they are decoded (`finish_checksum` adds the rest).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+from xxhash import _xxhash
+
+from hsstore.spec._xxh3_many import xxh3_spans
+
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("row_offset", pa.int64(), nullable=False),
+        pa.field("num_tokens", pa.int64(), nullable=False),
+        pa.field("num_loss_tokens", pa.int64(), nullable=False),
+        pa.field("checksum", pa.uint64(), nullable=False),
+        pa.field("zero_rows", pa.int32(), nullable=False),
+        pa.field("nonfinite_rows", pa.int32(), nullable=False),
+        pa.field("source", pa.string(), nullable=True),
+    ]
+)
+
+
+def sample_checksum(
+    hidden: np.ndarray,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
+    """XXH3-64 of a sample's stored bytes: states [T, L, H], then input_ids, then loss_mask,
+    then (scaled dtypes only) the per-token scales."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(memoryview(np.ascontiguousarray(hidden)).cast("B"))
+    return finish_checksum(hasher, input_ids, loss_mask, scales)
+
+
+def finish_checksum(
+    hasher: xxhash.xxh3_64,
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    scales: np.ndarray | None = None,
+) -> int:
+    """Finish a sample checksum from a hasher that has seen its states bytes (the columns'
+    bytes as stored: a C-contiguous array hashes as its raw bytes)."""
+    hasher.update(np.ascontiguousarray(input_ids))
+    hasher.update(np.ascontiguousarray(loss_mask))
+    if scales is not None:
+        hasher.update(np.ascontiguousarray(scales))
+    return hasher.intdigest()
+
+
+def _xxh3_functions() -> tuple[int, ...] | None:
+    """The addresses of the XXH3 state functions in the library behind ``xxhash.xxh3_64``, for
+    `span_checksums`; None where they are not exported, or do not give its digests."""
+    names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
+             "XXH3_64bits_digest")  # fmt: skip
+    try:
+        lib = ctypes.CDLL(_xxhash.__file__)
+        found = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0 for name in names)
+    except (OSError, AttributeError):
+        return None
+    probe = bytes(range(256)) * 9
+    got = np.zeros(1, np.uint64)
+    xxh3_spans([probe], np.array([[[0, 0, 7], [0, 7, len(probe) - 7]]], np.int64), 2, got, *found)
+    return found if int(got[0]) == xxhash.xxh3_64(probe).intdigest() else None
+
+
+_XXH3 = _xxh3_functions()
+
+
+def span_checksums(buffers: Sequence[object], spans: np.ndarray) -> np.ndarray | None:
+    """XXH3-64 of each row of ``spans`` ([k, P, 3] int64: P spans (index into ``buffers``,
+    byte offset, byte length) hashed one after another), in one call that lets go of the GIL:
+    a batch's sample checksums, each over its states and its columns. None where the library
+    behind xxhash cannot be called so (then hash with ``xxhash`` itself)."""
+    if _XXH3 is None:
+        return None
+    spans = np.ascontiguousarray(spans, np.int64)
+    out = np.empty(spans.shape[0], np.uint64)
+    xxh3_spans(buffers, spans, spans.shape[1], out, *_XXH3)
+    return out
