@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 DEMO_OUT := demo_out
 
+# Run again on the portable decode path (numcodecs, xxhash; no compiled decoder or digests).
+PORTABLE_TESTS := tests/test_codec_split_frames.py tests/test_batch_checksums.py \
+	tests/test_store_roundtrip.py tests/test_tiers.py
+
 .PHONY: demo test test-sglang schemas
 
 # Re-run the installer when the dependencies, the compiled module or the installer change.
@@ -22,6 +26,7 @@ test: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest --durations=20
+	HSSTORE_NO_FAST_DECODE=1 $(BIN)/python -m pytest -q $(PORTABLE_TESTS)
 	bash scripts/test_transformers_versions.sh
 	bash scripts/test_sglang_lane.sh
 

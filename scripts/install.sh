@@ -4,6 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# The compiled decoder and digests link libzstd and libxxhash (setup.py); their headers come
+# from the system's packages. Without them hsstore still builds, on its portable path.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libzstd-dev libxxhash-dev >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzstd-dev libxxhash-dev >/dev/null
+fi
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
@@ -23,4 +28,4 @@ AZURITE_VERSION=3.37.0
   npm install --silent --no-audit --no-fund --prefix .cache/azurite "azurite@$AZURITE_VERSION"
   echo "$AZURITE_VERSION" > .cache/azurite/.version
 }
-echo "installed: $(python -c 'import hsstore, torch; print("hsstore", hsstore.__version__, "torch", torch.__version__)')"
+echo "installed: $(python -c 'import hsstore, torch; from hsstore.codec.codecs import fast_decode; print("hsstore", hsstore.__version__, "torch", torch.__version__, "fast decode" if fast_decode() else "portable decode (no libzstd-dev/libxxhash-dev at build)")')"

@@ -16,7 +16,13 @@ from hsstore.spec import sample_index
 from hsstore.spec.sample_index import span_checksums
 from tools.synthetic import llm_like_states
 
+compiled = pytest.mark.skipif(
+    not sample_index.fast_hashing(),
+    reason="the compiled digests are not in use (not built, or HSSTORE_NO_FAST_DECODE=1)",
+)
 
+
+@compiled
 def test_the_digests_are_xxhash_s_for_any_spans():
     rng = np.random.default_rng(0)
     buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5000, 1, 300)]
@@ -48,6 +54,7 @@ def test_the_digests_are_xxhash_s_for_any_spans():
         "offset past the end",
     ],  # fmt: skip
 )
+@compiled
 def test_a_span_outside_its_buffer_is_refused(span):
     with pytest.raises(ValueError, match="outside its buffer"):
         span_checksums([bytes(100)], np.array([[[0, 0, 100], span]], np.int64))
@@ -78,6 +85,7 @@ def _batch(ds):
     return out, unchecked
 
 
+@compiled
 @pytest.mark.parametrize("tier", [None, "fp8-token"])
 def test_a_clean_batch_is_checked_in_one_call(tmp_path, tier, monkeypatch):
     ds = _dataset(tmp_path, tier)
@@ -95,8 +103,8 @@ def test_a_clean_batch_is_checked_in_one_call(tmp_path, tier, monkeypatch):
 @pytest.mark.parametrize("tier", [None, "fp8-token"])
 def test_a_damaged_sample_of_a_batch_is_named(tmp_path, tier, one_call, monkeypatch):
     ds = _dataset(tmp_path, tier)
-    if not one_call:  # where the library behind xxhash cannot be called so
-        monkeypatch.setattr(sample_index, "_XXH3", None)
+    if not one_call:  # the portable path: sample by sample through xxhash
+        monkeypatch.setenv("HSSTORE_NO_FAST_DECODE", "1")
     out, unchecked = _batch(ds)
     rows = out.view(out.shape[0], -1).view(torch.uint8)
     for i, first in unchecked[7], unchecked[3]:  # two damaged: the first checked is named

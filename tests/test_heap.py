@@ -1,4 +1,6 @@
-"""glibc keeps the HTTP client's ~1 MiB response buffers in the heap once object storage is used.
+"""glibc keeps the HTTP client's ~1 MiB response buffers in the heap once hsstore's process
+settings are made (`tune_process`, which the CLI and the loader call), and never before: importing
+hsstore or opening an object store changes no process-wide setting.
 
 Each case runs in a fresh interpreter: the setting is process-wide and lasts."""
 
@@ -21,13 +23,19 @@ pytestmark = pytest.mark.skipif(
 # costs when glibc maps it afresh each time (256 pages) or reuses heap (none).
 _CYCLES = r"""
 import ctypes, json, resource, sys
-from hsstore.storage.heap import keep_response_buffers
+import numcodecs.blosc
+from hsstore.tuning import tune_process
 tuned = None
 if sys.argv[1] == "tune":
-    tuned = keep_response_buffers()
-elif sys.argv[1] == "storage":  # what every reader of an object store does first
+    tuned = tune_process().malloc_keeps_response_buffers
+elif sys.argv[1] == "storage":  # hsstore imported and an object store opened, nothing asked
+    import hsstore
     from hsstore.storage.object_store import ObjectStorage
     ObjectStorage(sys.argv[2])
+elif sys.argv[1] == "loader":  # what a training process does first
+    import hsstore
+    from hsstore.loader import Loader
+    Loader(hsstore.open(sys.argv[2]), max_tokens=64).close()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -44,7 +52,8 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(50):
     cycle()
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(json.dumps({"tuned": tuned, "faults_per_cycle": faults / 50}))
+print(json.dumps({"tuned": tuned, "faults_per_cycle": faults / 50,
+                  "blosc_threads": numcodecs.blosc.use_threads}))
 """
 
 
@@ -70,9 +79,26 @@ def test_tuned_heap_reuses_response_sized_blocks():
     assert tuned["faults_per_cycle"] < 8
 
 
-def test_object_storage_applies_the_setting(s3_url):
-    # Opening an object store is all it takes: response-sized blocks are reused from then on.
-    assert _run("storage", s3_url)["faults_per_cycle"] < 8
+def test_importing_and_opening_storage_change_no_process_setting(s3_url):
+    got = _run("storage", s3_url)
+    assert got["faults_per_cycle"] > 8 * 128
+    assert got["blosc_threads"] is None  # numcodecs' own default
+
+
+def test_the_loader_makes_the_process_settings(tmp_path):
+    import torch
+
+    import hsstore
+
+    ds = hsstore.create(tmp_path / "ds", layers=[hsstore.LayerSpec(1)], hidden_size=8,
+                        dtype="bf16", model={"num_hidden_layers": 1})  # fmt: skip
+    with ds.writer() as w:
+        w.add(
+            "a", torch.arange(4), torch.ones(4).long(), torch.zeros(4, 1, 8, dtype=torch.bfloat16)
+        )
+    got = _run("loader", str(tmp_path / "ds"))
+    assert got["faults_per_cycle"] < 8
+    assert got["blosc_threads"] is False
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ctypes.util
 import struct
 import sys
 from collections.abc import Callable
@@ -50,7 +51,8 @@ FRAME_HEADER = 16 + 4  # blosc header + the one block's start offset
 TABLE_1024_PARAMS = {**SPLIT_ZSTD_PARAMS, "hash_log": 10}
 # The batches decoded into: several times any cache, so each place is cold when it is written.
 RING_BYTES = 256 << 20
-_LIB = ctypes.CDLL(blosc.__file__)
+# libzstd's public API (the library the compiled decoder links), for the exponent stream alone.
+_LIB = ctypes.CDLL(ctypes.util.find_library("zstd") or "libzstd.so.1")
 zstd_create = _LIB.ZSTD_createDCtx
 zstd_create.restype = ctypes.c_void_p
 zstd_decompress = _LIB.ZSTD_decompressDCtx
@@ -83,8 +85,7 @@ def measure(name: str, states: torch.Tensor, repeats: int) -> dict[str, float]:
     exponent = [streams_of(f)[-1] for f in frames]  # the high bytes: the last stream
     assert all(len(e) < nbytes // 2 for e in exponent), "exponent streams are zstd-coded"
     out = np.empty(nbytes, np.uint8)
-    # The zstd that c-blosc itself calls (numcodecs' extension exports the library's C API),
-    # one-shot into a reused buffer: python-zstandard has no decompress-into.
+    # libzstd one-shot into a reused buffer: python-zstandard has no decompress-into.
     half = np.empty(nbytes // 2, np.uint8)
     half_at = half.ctypes.data
     dctx = zstd_create()

@@ -36,6 +36,7 @@ from hsstore import LayerSpec  # noqa: E402
 from hsstore.loader import Loader  # noqa: E402
 from hsstore.spec import paths  # noqa: E402
 from hsstore.storage.object_store import ObjectStorage  # noqa: E402
+from hsstore.tuning import tune_process  # noqa: E402
 from tools.seaweed import SeaweedServer  # noqa: E402
 from tools.timing import best_of  # noqa: E402
 
@@ -123,6 +124,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per packed batch")
     args = p.parse_args()
+    tune_process()  # every read here, Loader or not, as hsstore's own programs read
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, SeaweedServer(Path(tmp) / "s3") as server:
         os.environ.update(server.env())

@@ -10,6 +10,8 @@ import importlib
 
 import click
 
+from hsstore.tuning import tune_process
+
 _COMMANDS: dict[str, str] = {
     "demo": "hsstore.cli.demo",
     "inspect": "hsstore.cli.inspect",
@@ -36,3 +38,5 @@ class _LazyGroup(click.Group):
 @click.version_option(package_name="hsstore")
 def main() -> None:
     """hsstore: LLM hidden states as a first-class dataset."""
+    # The command line is a program of hsstore's own: its process settings apply.
+    tune_process()

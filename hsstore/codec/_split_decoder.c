@@ -1,9 +1,9 @@
 /* The decoder of split-zstd frames (hsstore.codec.codecs, `_SplitDecoder`).
  *
  * A split-zstd chunk stores the low and the high byte of every 2-byte value as two streams.
- * One call reads the frame, has zstd decode the coded streams into the caller's scratch (the
- * zstd c-blosc links in, its function handed over by address, with a context kept per
- * thread), then one pass writes out[2i] = low[i], out[2i + 1] = high[i]. With ``stream`` that
+ * One call reads the frame, has libzstd decode the coded streams into the caller's scratch (with
+ * a decoding context the caller keeps per thread, `new_context`), then one pass writes
+ * out[2i] = low[i], out[2i + 1] = high[i]. With ``stream`` that
  * pass writes around the caches (non-temporal stores): a loader decodes each chunk once into
  * a batch far larger than the caches, which another thread checks later, and an ordinary
  * store there first reads every destination line from memory only to overwrite it. Without
@@ -16,6 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <zstd.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -62,9 +63,6 @@ static void join(uint8_t *out, const uint8_t *low, const uint8_t *high, size_t n
     join_scalar(out, low, high, i, n);
 }
 
-typedef size_t (*zstd_decompress_fn)(void *dctx, void *dst, size_t capacity, const void *src,
-                                     size_t size);
-
 static uint32_t read_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
@@ -77,8 +75,7 @@ static uint32_t read_u32(const uint8_t *p) {
  * once decoded, 0 (nothing written) for a frame of any other shape, -1 for a stream zstd
  * refuses. */
 static int decode_split(uint8_t *out, size_t out_len, const uint8_t *body, size_t len,
-                        uint8_t *scratch, void *dctx, zstd_decompress_fn decompress,
-                        unsigned flags, size_t min_plane, int stream) {
+                        uint8_t *scratch, ZSTD_DCtx *dctx, unsigned flags, size_t min_plane, int stream) {
     const size_t header = 16, first = header + 4;
     if (len < first || body[2] != flags || body[3] != 2)
         return 0;
@@ -96,8 +93,8 @@ static int decode_split(uint8_t *out, size_t out_len, const uint8_t *body, size_
             return 0;
         planes[b] = body + at + 4;
         if (n != half) {
-            if (decompress(dctx, scratch + b * half, half, body + at + 4, n) != half)
-                return -1; /* an error code (a huge size_t) or a short stream */
+            if (ZSTD_decompressDCtx(dctx, scratch + b * half, half, body + at + 4, n) != half)
+                return -1; /* an error (ZSTD_isError) or a short stream */
             planes[b] = scratch + b * half;
         }
         at += 4 + n;
@@ -108,26 +105,47 @@ static int decode_split(uint8_t *out, size_t out_len, const uint8_t *body, size_
     return 1;
 }
 
+#define CONTEXT_NAME "hsstore.codec._split_decoder.context"
+
+static void free_context(PyObject *capsule) {
+    ZSTD_freeDCtx((ZSTD_DCtx *)PyCapsule_GetPointer(capsule, CONTEXT_NAME));
+}
+
+static PyObject *new_context(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    ZSTD_DCtx *dctx = ZSTD_createDCtx();
+    if (!dctx)
+        return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(dctx, CONTEXT_NAME, free_context);
+    if (!capsule)
+        ZSTD_freeDCtx(dctx);
+    return capsule;
+}
+
 static PyObject *decode_split_frame(PyObject *self, PyObject *args) {
     Py_buffer out, body, scratch;
-    unsigned long long dctx, decompress;
+    PyObject *context;
     unsigned int flags;
     Py_ssize_t min_plane;
     int stream;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*w*KKInp:decode_split_frame", &out, &body, &scratch, &dctx,
-                          &decompress, &flags, &min_plane, &stream))
+    if (!PyArg_ParseTuple(args, "w*y*w*OInp:decode_split_frame", &out, &body, &scratch, &context,
+                          &flags, &min_plane, &stream))
         return NULL;
     PyObject *result = NULL;
-    if (scratch.len < out.len || !dctx || !decompress) {
-        PyErr_SetString(PyExc_ValueError, "decode_split_frame: no scratch or no zstd context");
+    /* The call's arguments hold the context, so it outlives the decode without the GIL. */
+    ZSTD_DCtx *dctx = (ZSTD_DCtx *)PyCapsule_GetPointer(context, CONTEXT_NAME);
+    if (!dctx) {
+        /* PyCapsule_GetPointer has set the error: not a context of this module */
+    } else if (scratch.len < out.len) {
+        PyErr_SetString(PyExc_ValueError, "decode_split_frame: the scratch is too small");
     } else {
         int got;
         Py_BEGIN_ALLOW_THREADS
         got = decode_split((uint8_t *)out.buf, (size_t)out.len, (const uint8_t *)body.buf,
-                           (size_t)body.len, (uint8_t *)scratch.buf, (void *)(uintptr_t)dctx,
-                           (zstd_decompress_fn)(uintptr_t)decompress, flags, (size_t)min_plane,
-                           stream);
+                           (size_t)body.len, (uint8_t *)scratch.buf, dctx, flags,
+                           (size_t)min_plane, stream);
         Py_END_ALLOW_THREADS
         result = PyLong_FromLong(got);
     }
@@ -138,12 +156,16 @@ static PyObject *decode_split_frame(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"new_context", new_context, METH_NOARGS,
+     "new_context()\n--\n\n"
+     "A zstd decoding context for decode_split_frame, freed with the object; one thread at a\n"
+     "time may use it."},
     {"decode_split_frame", decode_split_frame, METH_VARARGS,
-     "decode_split_frame(out, body, scratch, dctx, decompress, flags, min_plane, stream)\n--\n\n"
-     "Decode a split frame's body (no crc) into out with zstd's ZSTD_decompressDCtx at\n"
-     "address decompress and the context dctx, its planes in scratch (at least len(out)):\n"
-     "1 once decoded, 0 (nothing written) for a frame of another shape (flags, typesize 2,\n"
-     "one block, planes of at least min_plane bytes), -1 for a stream zstd refuses."},
+     "decode_split_frame(out, body, scratch, context, flags, min_plane, stream)\n--\n\n"
+     "Decode a split frame's body (no crc) into out with libzstd and a context from\n"
+     "new_context, its planes in scratch (at least len(out)): 1 once decoded, 0 (nothing\n"
+     "written) for a frame of another shape (flags, typesize 2, one block, planes of at least\n"
+     "min_plane bytes), -1 for a stream zstd refuses."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,7 +29,6 @@ high bytes of a chunk together, apart from the low bytes.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 import sys
 import threading
@@ -43,7 +42,7 @@ import crc32c as _crc32c
 import numpy as np
 import zstandard
 
-from hsstore.codec._split_decoder import decode_split_frame
+from hsstore import settings
 from hsstore.errors import FormatError, IntegrityError
 
 # numcodecs (0.16.4 and later) warns on import when it finds the crc32c package rather than
@@ -53,23 +52,10 @@ from hsstore.errors import FormatError, IntegrityError
 with warnings.catch_warnings(record=True):
     from numcodecs import blosc as _blosc
 
-# We run our own thread pools; blosc's internal threads would fight them for the two cores.
-_blosc.use_threads = False
-# c-blosc's own one-call decoder, from the library numcodecs builds in (the same function
-# numcodecs' `decompress` ends in without threads): a frame that passed `ChunkCodec.check`
-# goes straight to it. The Python checks numcodecs runs on each call cost as much as a fifth of
-# decoding a 256 KiB chunk. ctypes releases the GIL for the call, as numcodecs does.
-_BLOSC_LIB = ctypes.CDLL(_blosc.__file__)
-_blosc_decompress_ctx = _BLOSC_LIB.blosc_decompress_ctx
-_blosc_decompress_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_blosc_decompress_ctx.restype = ctypes.c_int
-# zstd's decoder from the same library (c-blosc links it in), for the streams of split-zstd
-# frames: compiled code calls it by address (`_SplitDecoder`, `decode_split_frame`).
-_zstd_create_dctx = _BLOSC_LIB.ZSTD_createDCtx
-_zstd_create_dctx.restype = ctypes.c_void_p
-_zstd_free_dctx = _BLOSC_LIB.ZSTD_freeDCtx
-_zstd_free_dctx.argtypes = [ctypes.c_void_p]
-_ZSTD_DECOMPRESS_AT = ctypes.cast(_BLOSC_LIB.ZSTD_decompressDCtx, ctypes.c_void_p).value
+try:  # linked with libzstd where its header was there at build time (setup.py)
+    from hsstore.codec import _split_decoder
+except ImportError:
+    _split_decoder = None
 
 CODEC_NAMES = ("split-zstd", "blosc-zstd", "blosc-lz4", "none")
 DEFAULT_CODEC = "split-zstd"
@@ -94,6 +80,20 @@ SPLIT_ZSTD_PARAMS: Mapping[str, int] = MappingProxyType(
 )
 _PROBE_BYTES = 1024
 _DECODE_STATE = threading.local()  # `_SplitDecoder._thread_state`
+
+
+def fast_decode() -> bool:
+    """Whether split-zstd chunks decode through the compiled decoder: it was built, and
+    ``HSSTORE_NO_FAST_DECODE=1`` does not ask for the portable path (c-blosc through numcodecs'
+    public ``decompress``, which reads the same frames)."""
+    return _split_decoder is not None and not settings.current().no_fast_decode
+
+
+def single_threaded_blosc() -> None:
+    """Have c-blosc work on the calling thread only, for the whole process (numcodecs'
+    ``blosc.use_threads``): hsstore runs its own thread pools, which blosc's threads would
+    compete with for the cores. `hsstore.tuning.tune_process` calls it."""
+    _blosc.use_threads = False
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -191,7 +191,7 @@ class ChunkCodec:
         self._local = threading.local()
         self._compressed = config.compressed
         split = config.name == "split-zstd" and itemsize == 2 and sys.byteorder == "little"
-        self._split = _SplitDecoder() if split else None
+        self._split = _SplitDecoder() if split and fast_decode() else None
 
     def encode(self, chunk: np.ndarray, *, reuse_input: bool = False) -> list[bytes | memoryview]:
         """Encoded pieces of one chunk; written back to back they form the chunk.
@@ -342,9 +342,10 @@ class ChunkCodec:
         if self._compressed:
             # `check` made sure the frame's sizes match ``body`` and ``out``, so c-blosc reads
             # and writes inside them.
-            got = _blosc_decompress_ctx(_address(body), _address(out), nbytes, 1)
-            if got != nbytes:
-                raise IntegrityError(f"chunk does not decode (blosc error {got})", path=what)
+            try:
+                _blosc.decompress(body, out)
+            except (RuntimeError, ValueError) as err:
+                raise IntegrityError(f"chunk does not decode ({err})", path=what) from None
         else:
             out[:] = body
 
@@ -364,12 +365,12 @@ class _SplitDecoder:
     _FLAGS = _ZSTD_FORMAT_FLAGS | _FLAG_SHUFFLE
 
     @staticmethod
-    def _thread_state(nbytes: int) -> tuple[_ZstdContext, np.ndarray]:
+    def _thread_state(nbytes: int) -> tuple[object, np.ndarray]:
         """This thread's zstd context and stream scratch (at least ``nbytes``), shared by every
         codec, so a reading thread holds one of each however many segments it reads."""
         state = getattr(_DECODE_STATE, "state", None)
         if state is None or state[1].nbytes < nbytes:
-            context = state[0] if state is not None else _ZstdContext()
+            context = state[0] if state is not None else _split_decoder.new_context()
             state = _DECODE_STATE.state = (context, np.empty(nbytes, np.uint8))
         return state
 
@@ -380,29 +381,11 @@ class _SplitDecoder:
         caches with ``stream``); False, having written nothing, when the frame is not of the
         shape this decoder reads."""
         context, scratch = self._thread_state(len(out))
-        got = decode_split_frame(out, body, scratch, context.pointer, _ZSTD_DECOMPRESS_AT,
-                                 self._FLAGS, _MIN_SPLIT_BYTES, stream)  # fmt: skip
+        got = _split_decoder.decode_split_frame(out, body, scratch, context, self._FLAGS,
+                                                _MIN_SPLIT_BYTES, stream)  # fmt: skip
         if got < 0:
             raise IntegrityError("chunk does not decode (zstd stream)", path=what)
         return got == 1
-
-
-class _ZstdContext:
-    """A zstd decoding context, freed with its owner (a thread's state, when the thread ends).
-
-    Not freed while the interpreter shuts down: a daemon thread may still be decoding with it
-    then, and the process's end frees it anyway. The free function is bound when the class is
-    made, since module globals may already be gone when a late ``__del__`` runs."""
-
-    def __init__(self) -> None:
-        self.pointer = _zstd_create_dctx()
-        if not self.pointer:
-            raise MemoryError("zstd could not make a decoding context")
-
-    def __del__(self, _free=_zstd_free_dctx, _finalizing=sys.is_finalizing) -> None:
-        if self.pointer and not _finalizing():
-            _free(self.pointer)
-        self.pointer = None
 
 
 def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bool:
@@ -411,16 +394,6 @@ def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bo
     ~0.4 s per GB), while a stream holding padding zeros or few distinct values is coded."""
     probe = np.ascontiguousarray(stream[:: max(1, stream.nbytes // _PROBE_BYTES)])
     return len(zstd.compress(probe)) < probe.nbytes - probe.nbytes // 16
-
-
-def _address(buf: Any) -> int:
-    """The address of a C-contiguous buffer's first byte, for a ctypes call: through ctypes'
-    own view of it where it is writable (a fifth of what numpy's ``.ctypes`` costs, paid for
-    every chunk's input and output), else through numpy."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    except (TypeError, ValueError):  # read-only (bytes from object storage), or empty
-        return np.frombuffer(buf, np.uint8).ctypes.data
 
 
 def check_crc(encoded: memoryview, *, what: str) -> memoryview:

@@ -36,6 +36,7 @@ from hsstore.loader.partition import rank_batches
 from hsstore.loader.plan import global_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
 from hsstore.loader.stream import HiddenStateStream, PlannedEpochs, RankPlan
+from hsstore.tuning import tune_process
 
 
 class _Tag(NamedTuple):
@@ -176,6 +177,7 @@ class Loader(PlannedEpochs):
         **overrides: Any,
     ):
         super().__init__(dataset, options, **overrides)
+        tune_process()  # a training process reads as hsstore's own programs do (hsstore.tuning)
         if num_threads < 1 or prefetch < 1 or workers < 0:
             raise ValueError("need num_threads >= 1, prefetch >= 1 and workers >= 0")
         self.device = resolve_device(device)

@@ -4,8 +4,8 @@
  * sample's states, then its token columns). Hashing sample by sample from Python takes and
  * gives back the interpreter's lock several times per sample, and the thread that reads the
  * next batch waits for it each time; here one call hashes the whole batch while that thread
- * runs. The hash itself is the XXH3 that Python's xxhash package links in, its functions
- * handed over by address (the same digests as xxhash.xxh3_64, by construction).
+ * runs. The hash itself is libxxhash's XXH3-64, whose digests are fixed by its specification
+ * (xxHash 0.8 and later): the digests of Python's xxhash.xxh3_64.
  *
  * Every buffer is held through the buffer protocol for the length of the call, and every span
  * is checked against its buffer's length before any is hashed: nothing else is trusted.
@@ -13,22 +13,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
+#include <xxhash.h>
 
 /* Spans are (buffer, offset, length) triples, int64, ``per`` of them for each digest. */
 static PyObject *xxh3_spans(PyObject *self, PyObject *args) {
     PyObject *buffers_arg;
     Py_buffer spans, out;
     Py_ssize_t per;
-    unsigned long long create_at, free_at, reset_at, update_at, digest_at;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Oy*nw*KKKKK:xxh3_spans", &buffers_arg, &spans, &per, &out,
-                          &create_at, &free_at, &reset_at, &update_at, &digest_at))
+    if (!PyArg_ParseTuple(args, "Oy*nw*:xxh3_spans", &buffers_arg, &spans, &per, &out))
         return NULL;
     PyObject *buffers = NULL, *result = NULL;
     Py_buffer *views = NULL;
@@ -36,8 +29,7 @@ static PyObject *xxh3_spans(PyObject *self, PyObject *args) {
     const int64_t *span = (const int64_t *)spans.buf;
     Py_ssize_t n_out = out.len / (Py_ssize_t)sizeof(uint64_t);
     if (per < 1 || spans.len != n_out * per * 3 * (Py_ssize_t)sizeof(int64_t) ||
-        out.len % (Py_ssize_t)sizeof(uint64_t) || !create_at || !free_at || !reset_at ||
-        !update_at || !digest_at) {
+        out.len % (Py_ssize_t)sizeof(uint64_t)) {
         PyErr_SetString(PyExc_ValueError, "xxh3_spans: spans are not per triples per digest");
         goto done;
     }
@@ -65,20 +57,20 @@ static PyObject *xxh3_spans(PyObject *self, PyObject *args) {
     int failed = 0;
     uint64_t *digests = (uint64_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
-    void *state = ((create_fn)(uintptr_t)create_at)();
+    XXH3_state_t *state = XXH3_createState();
     if (!state) {
         failed = 1;
     } else {
         for (Py_ssize_t k = 0; k < n_out && !failed; k++) {
-            failed |= ((reset_fn)(uintptr_t)reset_at)(state) != 0;
+            failed |= XXH3_64bits_reset(state) != XXH_OK;
             for (Py_ssize_t p = 0; p < per; p++) {
                 const int64_t *s = span + 3 * (k * per + p);
-                failed |= ((update_fn)(uintptr_t)update_at)(
-                              state, (const char *)views[s[0]].buf + s[1], (size_t)s[2]) != 0;
+                failed |= XXH3_64bits_update(state, (const char *)views[s[0]].buf + s[1],
+                                             (size_t)s[2]) != XXH_OK;
             }
-            digests[k] = ((digest_fn)(uintptr_t)digest_at)(state);
+            digests[k] = XXH3_64bits_digest(state);
         }
-        ((free_fn)(uintptr_t)free_at)(state);
+        XXH3_freeState(state);
     }
     Py_END_ALLOW_THREADS
     if (failed)
@@ -97,11 +89,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"xxh3_spans", xxh3_spans, METH_VARARGS,
-     "xxh3_spans(buffers, spans, per, out, create, free, reset, update, digest)\n--\n\n"
+     "xxh3_spans(buffers, spans, per, out)\n--\n\n"
      "Write into out (uint64 each) the XXH3-64 digest of each run of per spans, a span being\n"
      "an int64 triple (index into buffers, byte offset, byte length) that must lie inside its\n"
-     "buffer, with the XXH3 state functions at the given addresses (XXH3_createState,\n"
-     "XXH3_freeState, XXH3_64bits_reset, XXH3_64bits_update, XXH3_64bits_digest)."},
+     "buffer."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,15 +7,18 @@ pass: it feeds the states to the hasher as they are decoded (`finish_checksum` a
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 import xxhash
-from xxhash import _xxhash
 
-from hsstore.spec._xxh3_many import xxh3_spans
+from hsstore import settings
+
+try:  # linked with libxxhash where its header was there at build time (setup.py)
+    from hsstore.spec._xxh3_many import xxh3_spans
+except ImportError:
+    xxh3_spans = None
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -59,33 +62,21 @@ def finish_checksum(
     return hasher.intdigest()
 
 
-def _xxh3_functions() -> tuple[int, ...] | None:
-    """The addresses of the XXH3 state functions in the library behind ``xxhash.xxh3_64``, for
-    `span_checksums`; None where they are not exported, or do not give its digests."""
-    names = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
-             "XXH3_64bits_digest")  # fmt: skip
-    try:
-        lib = ctypes.CDLL(_xxhash.__file__)
-        found = tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0 for name in names)
-    except (OSError, AttributeError):
-        return None
-    probe = bytes(range(256)) * 9
-    got = np.zeros(1, np.uint64)
-    xxh3_spans([probe], np.array([[[0, 0, 7], [0, 7, len(probe) - 7]]], np.int64), 2, got, *found)
-    return found if int(got[0]) == xxhash.xxh3_64(probe).intdigest() else None
-
-
-_XXH3 = _xxh3_functions()
+def fast_hashing() -> bool:
+    """Whether `span_checksums` hashes in one compiled call: the module linking libxxhash was
+    built, and ``HSSTORE_NO_FAST_DECODE=1`` does not ask for the portable path."""
+    return xxh3_spans is not None and not settings.current().no_fast_decode
 
 
 def span_checksums(buffers: Sequence[object], spans: np.ndarray) -> np.ndarray | None:
     """XXH3-64 of each row of ``spans`` ([k, P, 3] int64: P spans (index into ``buffers``,
-    byte offset, byte length) hashed one after another), in one call that lets go of the GIL:
-    a batch's sample checksums, each over its states and its columns. None where the library
-    behind xxhash cannot be called so (then hash with ``xxhash`` itself)."""
-    if _XXH3 is None:
+    byte offset, byte length) hashed one after another), in one compiled call that lets go of
+    the GIL: a batch's sample checksums, each over its states and its columns. None where the
+    compiled module was not built or ``HSSTORE_NO_FAST_DECODE=1`` (then hash with ``xxhash``
+    itself)."""
+    if not fast_hashing():
         return None
     spans = np.ascontiguousarray(spans, np.int64)
     out = np.empty(spans.shape[0], np.uint64)
-    xxh3_spans(buffers, spans, spans.shape[1], out, *_XXH3)
+    xxh3_spans(buffers, spans, spans.shape[1], out)
     return out

@@ -10,10 +10,11 @@ first, a cost per byte on the scale of the read itself (docs/PERFORMANCE.md, "Re
 Raising both thresholds once keeps those blocks in the arenas, where the next response reuses
 them.
 
-The setting is process-wide and lasts, so it is made only on glibc, only once, and never over a
-choice the user made through glibc's own environment variables (``MALLOC_MMAP_THRESHOLD_``,
-``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``) or with
-``HSSTORE_MALLOC_TUNING=0``. Its cost is memory kept for reuse: each arena keeps up to
+The setting is process-wide and lasts, so it is made only when asked
+(`hsstore.tuning.tune_process`, which the command line and the loader call; importing hsstore or
+opening a storage never does), only on glibc, only once, and never over a choice the user made through glibc's own environment
+variables (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``,
+``MALLOC_MMAP_MAX_``) or with ``HSSTORE_MALLOC_TUNING=0``. Its cost is memory kept for reuse: each arena keeps up to
 `TRIM_THRESHOLD` of free heap instead of returning it.
 """
 
@@ -24,6 +25,8 @@ import ctypes.util
 import functools
 import os
 import platform
+
+from hsstore import settings
 
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -45,7 +48,7 @@ def keep_response_buffers() -> bool:
     """Raise glibc's mmap and trim thresholds once per process (see the module's docstring);
     True when they are set (now or before), False where this process leaves malloc alone.
     (Two threads racing on the first call both set the same values, which is harmless.)"""
-    if os.environ.get("HSSTORE_MALLOC_TUNING", "1") == "0":
+    if not settings.current().malloc_tuning:
         return False
     if any(name in os.environ for name in _GLIBC_VARIABLES):
         return False

@@ -35,7 +35,6 @@ from obstore.exceptions import (
 from obstore.store import ObjectStore, from_url
 
 from hsstore.errors import StorageError
-from hsstore.storage.heap import keep_response_buffers
 from hsstore.storage.store import ObjectInfo, Storage, holds
 from hsstore.storage.store_cache import LocalCache
 
@@ -129,7 +128,6 @@ class ObjectStorage(Storage):
             LocalCache(cache_dir, self.root, cache_bytes) if cache_dir is not None else None
         )
         self._pid = os.getpid()
-        keep_response_buffers()  # otherwise each GET's body lands in freshly mapped pages
 
     # -- errors ----------------------------------------------------------------------------------
     def _call(self, key: str, fn: Callable[[], T]) -> T:
