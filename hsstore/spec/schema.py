@@ -3,10 +3,10 @@
 The schema is the one statement of what a manifest may hold, and the only source of the rules
 below. jsonschema checks a document's fixed part. The segment entries, one per commit and so
 as many as the dataset's history is long, would make jsonschema's per-keyword interpretation
-the slowest step of opening a dataset; they are checked instead by Python compiled from the
-schema's own ``$defs/segment`` (`compile_predicate`), with `compile_rule` naming the problem
-of an entry it refuses. Both implement a fixed set of keywords and refuse a schema that uses
-any other, and a fuzz test holds their verdicts equal to jsonschema's.
+the slowest step of opening a dataset; they are checked instead against the schema's own
+``$defs/segment``, read once into one `_Rule` per schema node, which `_problem` applies with
+one call per node of the value rather than one per keyword. It implements a fixed set of keywords and refuses a schema that
+uses any other, and a fuzz test holds its verdicts equal to jsonschema's.
 """
 
 from __future__ import annotations
@@ -68,102 +68,87 @@ def _validate_whole(obj: Any, *, where: str) -> None:
 # A check returns None, or where (a JSON path below the checked value) and what is wrong.
 Check = Callable[[Any], "tuple[str, str] | None"]
 
-# Each JSON type as a Python test of ``{v}`` (with the strict integers of ``_validator``: 1.0
-# is no integer); `compile_predicate` inlines the source, `compile_rule` calls the functions.
-_TYPE_TESTS = {
-    "object": "type({v}) is dict",
-    "array": "type({v}) is list",
-    "string": "type({v}) is str",
-    "integer": "type({v}) is int",
-    "number": "type({v}) in (int, float)",
-    "boolean": "type({v}) is bool",
-    "null": "{v} is None",
+# The Python types of each JSON type (with the strict integers of ``_validator``: 1.0 is no
+# integer, and a bool is no number).
+_PY_TYPES: dict[str, tuple[type, ...]] = {
+    "object": (dict,),
+    "array": (list,),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
 }
-_TYPES: dict[str, Callable[[Any], bool]] = {
-    name: eval(f"lambda v: {test.format(v='v')}") for name, test in _TYPE_TESTS.items()
-}
+_NUMBERS = frozenset((int, float))
+_OBJECT_KEYWORDS = ("required", "properties", "additionalProperties", "maxProperties")
+
+
+class _Rule:
+    """One schema node, read once: what `_problem` checks of a value, with no call per keyword.
+    ``extra`` is the rule for properties the node does not name: True (any), False (none) or a
+    `_Rule`."""
+
+    __slots__ = ("allowed", "wanted", "bounded", "lo", "hi", "regex", "members", "required",
+                 "required_set", "props", "extra", "most")  # fmt: skip
+
+    def __init__(self, node: dict[str, Any]):
+        unknown = _keywords(node) - _FAST_KEYWORDS
+        if unknown:
+            raise SchemaError(f"schema rule uses {sorted(unknown)}, which the fast path lacks")
+        names = node.get("type")
+        names = [] if names is None else names if isinstance(names, list) else [names]
+        self.allowed = frozenset(t for n in names for t in _PY_TYPES[n]) or None
+        self.wanted = " or ".join(repr(n) for n in names)
+        self.bounded = "minimum" in node or "maximum" in node
+        self.lo, self.hi = node.get("minimum", -math.inf), node.get("maximum", math.inf)
+        self.regex = re.compile(node["pattern"]) if "pattern" in node else None
+        self.members = any(k in node for k in _OBJECT_KEYWORDS)
+        self.required = tuple(node.get("required", ()))
+        self.required_set = frozenset(self.required)
+        self.props = {k: _Rule(v) for k, v in node.get("properties", {}).items()}
+        extra = node.get("additionalProperties", True)
+        self.extra = _Rule(extra) if isinstance(extra, dict) else bool(extra)
+        self.most = node.get("maxProperties", math.inf)
 
 
 def compile_rule(node: dict[str, Any]) -> Check:
-    """A straight-line check of one schema node, derived from it keyword by keyword.
+    """The check of one schema node, read from it keyword by keyword.
 
     It implements the keywords in ``_FAST_KEYWORDS`` as JSON Schema 2020-12 defines them (with
     the strict integers of ``_validator``); a node using any other keyword is refused here, so
-    the schema cannot gain a rule the fast path would silently skip.
+    the schema cannot gain a rule the check would silently skip.
     """
-    unknown = _keywords(node) - _FAST_KEYWORDS
-    if unknown:
-        raise SchemaError(f"schema rule uses {sorted(unknown)}, which the fast path lacks")
-    checks: list[Check] = []
-    if "type" in node:
-        names = node["type"] if isinstance(node["type"], list) else [node["type"]]
-        tests = [_TYPES[n] for n in names]
-        wanted = " or ".join(repr(n) for n in names)
-        checks.append(
-            lambda x: (
-                None if any(t(x) for t in tests) else ("", f"{_short(x)} is not of type {wanted}")
-            )
-        )
-    if "minimum" in node or "maximum" in node:
-        lo, hi = node.get("minimum", -math.inf), node.get("maximum", math.inf)
-        checks.append(
-            lambda x: (
-                ("", f"{_short(x)} is not in [{lo}, {hi}]")
-                if type(x) in (int, float) and not lo <= x <= hi
-                else None
-            )
-        )
-    if "pattern" in node:
-        regex = re.compile(node["pattern"])
-        checks.append(
-            lambda x: (
-                ("", f"{_short(x)} does not match {regex.pattern!r}")
-                if type(x) is str and not regex.search(x)
-                else None
-            )
-        )
-    if any(k in node for k in ("required", "properties", "additionalProperties", "maxProperties")):
-        checks.append(_object_check(node))
-    if len(checks) == 1:
-        return checks[0]
+    rule = _Rule(node)
+    return lambda value: _problem(rule, value)
 
-    def check(x: Any) -> tuple[str, str] | None:
-        for c in checks:
-            problem = c(x)
-            if problem is not None:
-                return problem
+
+def _problem(rule: _Rule, x: Any) -> tuple[str, str] | None:
+    """Where below ``x`` and what breaks ``rule``; None when nothing does."""
+    kind = type(x)
+    if rule.allowed is not None and kind not in rule.allowed:
+        return "", f"{_short(x)} is not of type {rule.wanted}"
+    if rule.bounded and kind in _NUMBERS and not rule.lo <= x <= rule.hi:
+        return "", f"{_short(x)} is not in [{rule.lo}, {rule.hi}]"
+    if rule.regex is not None and kind is str and rule.regex.search(x) is None:
+        return "", f"{_short(x)} does not match {rule.regex.pattern!r}"
+    if not rule.members or kind is not dict:
         return None
-
-    return check
-
-
-def _object_check(node: dict[str, Any]) -> Check:
-    required = tuple(node.get("required", ()))
-    props = {k: compile_rule(v) for k, v in node.get("properties", {}).items()}
-    extra = node.get("additionalProperties", True)
-    extra_check = compile_rule(extra) if isinstance(extra, dict) else None
-    most = node.get("maxProperties", math.inf)
-
-    def check(x: Any) -> tuple[str, str] | None:
-        if type(x) is not dict:
-            return None
-        for key in required:
-            if key not in x:
-                return "", f"{key!r} is a required property"
-        if len(x) > most:
-            return "", f"has more than {most} properties"
-        for key, value in x.items():
-            rule = props.get(key, extra_check)
-            if rule is None:
-                if extra is False and key not in props:
-                    return "", f"additional property {_short(key)} is not allowed"
-                continue
-            problem = rule(value)
-            if problem is not None:
-                return f"{key}/{problem[0]}".rstrip("/"), problem[1]
-        return None
-
-    return check
+    if not rule.required_set <= x.keys():
+        missing = next(key for key in rule.required if key not in x)
+        return "", f"{missing!r} is a required property"
+    if len(x) > rule.most:
+        return "", f"has more than {rule.most} properties"
+    props, extra = rule.props, rule.extra
+    for key, value in x.items():
+        child = props.get(key, extra)
+        if child is True:
+            continue
+        if child is False:
+            return "", f"additional property {_short(key)} is not allowed"
+        problem = _problem(child, value)
+        if problem is not None:
+            return f"{key}/{problem[0]}".rstrip("/"), problem[1]
+    return None
 
 
 def _keywords(node: Any) -> set[str]:
@@ -171,92 +156,16 @@ def _keywords(node: Any) -> set[str]:
     return set(node) if isinstance(node, dict) else set()
 
 
-def compile_predicate(node: dict[str, Any]) -> Callable[[Any], bool]:
-    """The yes/no form of `compile_rule` for the same node, generated as straight-line Python
-    from the schema (one function, no call per keyword): it runs on every segment entry of a
-    manifest, `compile_rule` only to name the problem of an entry this refused."""
-    consts: dict[str, Any] = {}
-    lines = ["def valid(v0):"]
-    _emit(node, 0, 1, lines, consts)
-    lines.append("    return True")
-    namespace: dict[str, Any] = dict(consts)
-    exec("\n".join(lines), namespace)  # the source is built above from the schema's keywords
-    return namespace["valid"]
-
-
-def _emit(node: dict[str, Any], depth: int, indent: int, lines: list[str], consts: dict) -> None:
-    """Lines, ``indent`` levels in, that return False when ``v{depth}`` breaks ``node``."""
-    if _keywords(node) - _FAST_KEYWORDS:
-        compile_rule(node)  # raises, naming the keyword
-    v, pad = f"v{depth}", "    " * indent
-    start = len(lines)
-    names = node.get("type", [])
-    names = names if isinstance(names, list) else [names]
-    if names:
-        kinds = " or ".join(_TYPE_TESTS[n].format(v=v) for n in names)
-        lines.append(f"{pad}if not ({kinds}): return False")
-    bounds = []
-    if "minimum" in node:
-        bounds.append(f"{node['minimum']!r} <= {v}")
-    if "maximum" in node:
-        bounds.append(f"{v} <= {node['maximum']!r}")
-    if bounds:
-        test = f"type({v}) in (int, float) and not ({' and '.join(bounds)})"
-        lines.append(f"{pad}if {test}: return False")
-    if "pattern" in node:
-        name = f"c{len(consts)}"
-        consts[name] = re.compile(node["pattern"])
-        lines.append(f"{pad}if type({v}) is str and {name}.search({v}) is None: return False")
-    if any(k in node for k in ("required", "properties", "additionalProperties", "maxProperties")):
-        _emit_object(node, depth, indent, lines, consts)
-    if len(lines) == start:
-        lines.append(f"{pad}pass")
-
-
-def _emit_object(node: dict[str, Any], depth: int, indent: int, lines: list[str], consts: dict):
-    v, pad = f"v{depth}", "    " * indent
-    lines.append(f"{pad}if type({v}) is dict:")
-    inner = pad + "    "
-    lines.append(f"{inner}pass")
-    if node.get("required"):
-        name = f"c{len(consts)}"
-        consts[name] = frozenset(node["required"])
-        lines.append(f"{inner}if not {name} <= {v}.keys(): return False")
-    if "maxProperties" in node:
-        lines.append(f"{inner}if len({v}) > {node['maxProperties']!r}: return False")
-    props = node.get("properties", {})
-    extra = node.get("additionalProperties", True)
-    if not props and extra is True:
-        return
-    key, child = f"k{depth}", f"v{depth + 1}"
-    lines.append(f"{inner}for {key}, {child} in {v}.items():")
-    body = inner + "    "
-    for n, (prop, rule) in enumerate(props.items()):
-        lines.append(f"{body}{'if' if n == 0 else 'elif'} {key} == {prop!r}:")
-        _emit(rule, depth + 1, indent + 3, lines, consts)
-    if props and extra is not True:
-        lines.append(f"{body}else:")
-    level = indent + (3 if props else 2)
-    if extra is False:
-        lines.append("    " * level + "return False")
-    elif isinstance(extra, dict):
-        _emit(extra, depth + 1, level, lines, consts)
-
-
 @lru_cache(maxsize=1)
-def _segment_rules() -> tuple[Callable[[Any], bool], Check]:
-    rule = schema()["$defs"]["segment"]
-    return compile_predicate(rule), compile_rule(rule)
+def _segment_rule() -> _Rule:
+    return _Rule(schema()["$defs"]["segment"])
 
 
 def _check_segment(seg: Any) -> str | None:
     """What is wrong with one segment entry under ``$defs/segment`` (None if nothing)."""
-    valid, explain = _segment_rules()
-    if valid(seg):
+    problem = _problem(_segment_rule(), seg)
+    if problem is None:
         return None
-    problem = explain(seg)
-    if problem is None:  # the two forms of one rule disagree: a bug here, not in the data
-        raise AssertionError(f"segment check forms disagree on {_short(seg)}")
     where, what = problem
     return f"{where}: {what}" if where else what
 
