@@ -16,14 +16,15 @@ import json
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from hsstore.commits import commit, history
-from hsstore.errors import HsstoreError, NotADatasetError
+from hsstore.dataset.sample_pass import sample_pass
+from hsstore.errors import HsstoreError, IntegrityError, NotADatasetError
 from hsstore.segment.check import check_shard
 from hsstore.segment.reader import SegmentReader
 from hsstore.spec import paths
@@ -127,10 +128,6 @@ def check_segments(
     progress: Progress | None = None,
 ) -> None:
     """Every committed file, shard and sample of ``manifest``'s segments, into ``report``."""
-    from hsstore.dataset.dataset import Dataset
-
-    path = storage.root
-
     total = sum(f.size for s in manifest.segments for f in s.files.values())
     done = [0]
 
@@ -140,47 +137,36 @@ def check_segments(
         if progress is not None:
             progress(done[0], total * 2)
 
-    # Files first: a segment whose index is damaged cannot be read sample by sample, so it is
-    # reported whole and left out of the sample pass; any other damage is found sample by
-    # sample below, naming exactly the samples it affects.
-    good_segments = []
-    for seg in manifest.segments:
-        reader = SegmentReader(storage, manifest, seg)
-        unusable = _check_segment_files(reader, report, tick)
-        if unusable is None:
-            good_segments.append(seg)
+    def checked(samples: int, nbytes: int) -> None:
+        report.samples_checked += samples
+        tick(nbytes)
+
+    bad_samples: list[Problem] = []
+
+    def failed(sample_id: str, exc: HsstoreError | OSError) -> None:
+        if isinstance(exc, HsstoreError):
+            bad_samples.append(
+                Problem("sample", exc.path or storage.root, exc.message, [sample_id])
+            )
         else:
-            report.unreadable_segments[seg.id] = unusable
-    try:
-        ds = Dataset(
-            storage, verify_reads=True, manifest=replace(manifest, segments=tuple(good_segments))
-        )
-    except HsstoreError as exc:
-        report.problems.append(Problem("file", exc.path or str(path), exc.message))
-        return
-    except OSError as exc:
-        report.problems.append(Problem("file", str(exc.filename or path), f"cannot read ({exc})"))
-        return
-    for seg_id, reason in ds.unreadable.items():
-        report.unreadable_segments.setdefault(seg_id, reason)
+            where = str(exc.filename or storage.root)
+            bad_samples.append(Problem("sample", where, f"cannot read ({exc})", [sample_id]))
 
+    # Files first, segment by segment, while the samples of the segments before are checked: a
+    # segment whose index is damaged cannot be read sample by sample, so it is reported whole
+    # and left out of the sample pass; any other damage is found sample by sample, naming
+    # exactly the samples it affects.
+    threads = workers or os.cpu_count() or 1
+    with sample_pass(storage, manifest, workers=threads, checked=checked, failed=failed) as samples:
+        for seg in manifest.segments:
+            reader = SegmentReader(storage, manifest, seg)
+            index, unusable = _check_segment_files(reader, report, tick)
+            if index is not None:
+                samples.add(reader, index)
+            else:
+                report.unreadable_segments[seg.id] = unusable or ""
     reported = {sid for p in report.problems for sid in p.sample_ids}
-    sample_bytes = ds.manifest.num_layers * ds.hidden_size * ds.manifest.storage_dtype.itemsize
-
-    def check(i: int) -> Problem | None:
-        try:
-            ds.read(i)
-        except HsstoreError as exc:
-            return Problem("sample", exc.path or str(path), exc.message, [ds.sample_ids[i]])
-        finally:
-            tick(ds.num_tokens_of(i) * sample_bytes)
-        return None
-
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        for problem in pool.map(check, range(len(ds))):
-            report.samples_checked += 1
-            if problem is not None and problem.sample_ids[0] not in reported:
-                report.problems.append(problem)
+    report.problems += [p for p in bad_samples if p.sample_ids[0] not in reported]
 
 
 def _check_manifests(storage: Storage, report: VerifyReport, *, full: bool) -> Manifest | None:
@@ -363,10 +349,10 @@ def _group_document_problem(storage: Storage, key: str) -> str | None:
 
 def _check_segment_files(
     reader: SegmentReader, report: VerifyReport, tick: Callable[[int], None]
-) -> str | None:
-    """Check every file of one segment; why its index is unusable (then no sample of it can be
-    read, so there is no sample pass), or None."""
-    rows_to_ids, index_error = _row_mapper(reader)
+) -> tuple[pa.Table | None, str | None]:
+    """Check every file of one segment; its sample index, or None and why it is unusable (then
+    no sample of it can be read, so there is no sample pass)."""
+    rows_to_ids, index, index_error = _row_mapper(reader)
     index_file_bad = False
     for relpath, info in reader.info.files.items():
         report.files_checked += 1
@@ -413,8 +399,8 @@ def _check_segment_files(
             Problem("file", reader.where(paths.INDEX), reason, reader.salvage_sample_ids())
         )
     if index_error is None:
-        return None
-    return (
+        return index, None
+    return None, (
         str(index_error)
         if isinstance(index_error, HsstoreError)
         else (f"{reader.where(paths.INDEX)}: cannot read ({index_error})")
@@ -423,21 +409,26 @@ def _check_segment_files(
 
 def _row_mapper(
     reader: SegmentReader,
-) -> tuple[Callable[[int, int], list[str]], HsstoreError | OSError | None]:
-    """Sample ids of one segment whose rows overlap [lo, hi), and why its index does not read
-    (None when it does)."""
+) -> tuple[Callable[[int, int], list[str]], pa.Table | None, HsstoreError | OSError | None]:
+    """Sample ids of one segment whose rows overlap [lo, hi), its sample index, and why that
+    does not read (None when it does)."""
     try:
         index = reader.index()
+        if index.num_rows != reader.info.num_samples:
+            raise IntegrityError(
+                f"index has {index.num_rows} rows, manifest says {reader.info.num_samples}",
+                path=reader.where(paths.INDEX),
+            )
     except (HsstoreError, OSError) as exc:
-        return (lambda lo, hi: []), exc
+        return (lambda lo, hi: []), None, exc
     starts = index.column("row_offset").to_numpy()
     ends = starts + index.column("num_tokens").to_numpy()
-    ids = index.column("sample_id").to_pylist()
+    ids = index.column("sample_id")
 
     def overlap(lo: int, hi: int) -> list[str]:
-        return [ids[i] for i in np.flatnonzero((starts < hi) & (ends > lo))]
+        return ids.take(np.flatnonzero((starts < hi) & (ends > lo))).to_pylist()
 
-    return overlap, None
+    return overlap, index, None
 
 
 def gc(

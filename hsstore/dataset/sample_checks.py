@@ -122,14 +122,32 @@ def _first_failing(
     index: JoinedIndex,
     readers: Sequence[SegmentReader],
 ) -> int | None:
-    """The position in ``unchecked`` of the first sample whose checksum fails, all hashed in one
-    call (`span_checksums`: each sample's rows of ``decoded``, then its rows of each column, in
-    the order of `token_columns`); -1 if none does, None where that call cannot be made (or a
-    column cannot be read: the sample-by-sample check then names the sample)."""
+    """The position in ``unchecked`` of the first sample whose checksum fails (`failing_samples`);
+    -1 if none does, None where they cannot be hashed so."""
     if not unchecked:
         return -1
     pos = np.array([i for i, _ in unchecked], np.int64)
     first = np.array([row for _, row in unchecked], np.int64)
+    failing = failing_samples(decoded, pos, first, index, readers)
+    if failing is None:
+        return None
+    return int(failing[0]) if len(failing) else -1
+
+
+def failing_samples(
+    decoded: np.ndarray,
+    pos: np.ndarray,
+    first: np.ndarray,
+    index: JoinedIndex,
+    readers: Sequence[SegmentReader],
+) -> np.ndarray | None:
+    """Which of the samples ``pos[k]``, decoded into ``decoded[first[k]:]``, fail their checksum
+    (their k, ascending), all hashed in one call (`span_checksums`: each sample's rows of
+    ``decoded``, then its rows of each column, in the order of `token_columns`); None where that
+    call cannot be made (or a column cannot be read: a sample-by-sample check then names the
+    sample)."""
+    if not len(pos):
+        return np.empty(0, np.int64)
     segment, row, n = index.segment[pos], index.row[pos], index.len[pos]
     states = decoded.reshape(decoded.shape[0], -1).view(np.uint8)
     buffers: list[np.ndarray] = [states]
@@ -158,5 +176,4 @@ def _first_failing(
         return None
     if digests is None:
         return None
-    failing = np.flatnonzero(digests != index.checksum[pos].astype(np.uint64))
-    return int(failing[0]) if len(failing) else -1
+    return np.flatnonzero(digests != index.checksum[pos].astype(np.uint64))
