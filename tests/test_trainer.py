@@ -164,6 +164,13 @@ def test_every_draft_step_learns_a_deterministic_successor(tmp_path):
     s = main(args)["summary"]
     assert_learned(s)
     assert all(acc > 0.8 for acc in s["acc_per_step_last"]), s
+    # Served, the drafter would be accepted as often: the engine's walk replayed on the data
+    predicted = s["acceptance"]
+    assert predicted["drafts"] > 32 and not predicted["held_out"], predicted
+    assert all(rate > 0.7 for rate in predicted["accept_rate_per_pos"]), predicted
+    assert predicted["mean_accepted_length"] == pytest.approx(
+        1 + sum(predicted["accept_rate_per_pos"])
+    )
 
     # And what was learned is the right thing: step s at position i, fed the true token
     # x[i+s], drafts x[i+s+1] = perm[x[i+s]] (not, say, a copy of its own input).

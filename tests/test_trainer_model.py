@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hsstore import LayerSpec
+from hsstore.errors import BadInputError
 from hsstore.trainers.eagle3.checkpoint import load_drafter, save_checkpoint, server_config
 from hsstore.trainers.eagle3.model import (
     DrafterConfig,
@@ -309,3 +310,23 @@ def test_checkpoint_round_trip_and_server_key_names(tmp_path):
     again, _ = load_drafter(path)
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_checkpoint_of_a_full_draft_vocabulary_has_no_vocabulary_maps(tmp_path):
+    """vLLM creates draft_id_to_target_id only when the vocabularies differ and refuses a d2t
+    it has no place for; the identity maps come back on load."""
+    cfg = small_config(draft_vocab_size=V)
+    model = Eagle3Drafter(cfg)
+    aux = [LayerSpec(depth=d) for d in (1, 2, 3)]
+    config = server_config(cfg, aux, LayerSpec(depth=4, final_norm=True), num_hidden_layers=4)
+    path = save_checkpoint(tmp_path, model, config, {"step": 1})
+    weights = load_file(str(path / "model.safetensors"))
+    assert "d2t" not in weights and "t2d" not in weights
+    assert "lm_head.weight" in weights
+    again, _ = load_drafter(path)
+    assert torch.equal(again.draft_to_target, torch.arange(V))
+    assert bool(again.t2d.all())
+    del weights["fc.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(BadInputError, match="fc.weight"):
+        load_drafter(path)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from hsstore.errors import BadInputError
 from hsstore.trainers.eagle3.model import DrafterConfig, Eagle3Drafter
 
 CHECKPOINT_DIR = "checkpoint"
@@ -168,6 +169,26 @@ def target_architecture_of(model: str | None) -> str | None:
     return str(archs[0]) if archs else None
 
 
+# The vocabulary maps, which mean nothing when the draft vocabulary is the target's.
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+
+
+def serving_weights(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """The drafter's tensors as the checkpoint stores them.
+
+    With the draft vocabulary equal to the target's the maps are left out: vLLM creates its
+    ``draft_id_to_target_id`` only when the two sizes differ (vllm 0.32
+    ``model_executor/models/llama_eagle3.py``, ``Eagle3LlamaForCausalLM.__init__``) and refuses
+    a checkpoint that carries ``d2t`` then; SGLang and speculators take the identity when they
+    are absent.
+    """
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.draft_vocab_size == model.config.vocab_size:
+        for key in VOCAB_MAP_KEYS:
+            del weights[key]
+    return weights
+
+
 def save_checkpoint(out_dir: str | Path, model: Eagle3Drafter, config: dict, state: dict) -> Path:
     """Write model + config + trainer state atomically to ``out_dir/checkpoint``."""
     out_dir = Path(out_dir)
@@ -176,7 +197,7 @@ def save_checkpoint(out_dir: str | Path, model: Eagle3Drafter, config: dict, sta
     old = out_dir / (CHECKPOINT_DIR + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    weights = serving_weights(model)
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     torch.save(state, tmp / "trainer_state.pt")
@@ -202,7 +223,13 @@ def load_drafter(path: str | Path) -> tuple[Eagle3Drafter, dict]:
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     model = Eagle3Drafter(DrafterConfig(**config["hsstore"]["drafter"]))
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    weights = load_file(str(path / "model.safetensors"))
+    missing = set(model.state_dict()) - set(weights)
+    if model.config.draft_vocab_size == model.config.vocab_size:
+        missing -= set(VOCAB_MAP_KEYS)  # the identity maps the model was built with
+    if missing:
+        raise BadInputError(f"no {sorted(missing)[0]} in model.safetensors", path=str(path))
+    model.load_state_dict(weights, strict=False)
     return model, config
 
 

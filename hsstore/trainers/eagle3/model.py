@@ -200,6 +200,11 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.apply(self._init_weights)
 
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """int64 [D]: the target id of each draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -212,20 +217,28 @@ class Eagle3Drafter(nn.Module):
         position_ids: torch.Tensor,  # [B, T]
         document_ids: torch.Tensor,  # [T] packed-sample id per token
         steps: int = 1,
+        feed_drafts: bool = False,
     ) -> list[torch.Tensor]:
         """Draft logits [B, T, D] for each TTT step.
 
         Step s at position t is the draft of token x_{t+2+s}; its input token is the true
         x_{t+1+s} (the accepted prefix at inference), read from ``input_ids`` shifted left by s.
         Positions whose shifted token falls outside the document see a padding token; their
-        outputs are never part of the loss, and no valid position can attend to them.
+        outputs are never part of the loss, and no valid position can attend to them. With
+        ``feed_drafts`` step s >= 1 reads the drafter's own previous draft instead, as an
+        engine does: the same token wherever the earlier drafts were accepted.
         """
         allowed = block_causal_mask(document_ids)
         hidden = self.fc(aux_hidden)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         logits = []
         for s in range(steps):
-            ids = input_ids if s == 0 else F.pad(input_ids[:, s:], (0, s))
+            if s == 0:
+                ids = input_ids
+            elif feed_drafts:
+                ids = self.draft_to_target[logits[-1].argmax(-1)]
+            else:
+                ids = F.pad(input_ids[:, s:], (0, s))
             cos, sin = rope_cos_sin(position_ids + s, self.config.head_dim, self.config.rope_theta)
             hidden = self.midlayer(self.embed_tokens(ids), hidden, cos, sin, allowed, cache)
             logits.append(self.lm_head(self.norm(hidden)))

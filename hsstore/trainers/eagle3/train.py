@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from hsstore.commits.runs import completion
 from hsstore.spec.layers import verifier_position
+from hsstore.trainers.eagle3.acceptance import predict_acceptance
+from hsstore.trainers.eagle3.batches import align_batch, shift_left, step_validity
 from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
     load_drafter,
@@ -89,32 +91,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=4, help="loader decode threads")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK if available, else cpu")
+    p.add_argument(
+        "--eval-data",
+        help="held-out dataset (same layers) to predict serving acceptance on at the end "
+        "(default: the first samples of --data, which the drafter was trained on)",
+    )
+    p.add_argument("--eval-samples", type=int, default=64, help="samples of that prediction")
+    p.add_argument(
+        "--eval-draft-tokens",
+        type=int,
+        help="draft tokens per step of the engine (default: --ttt-steps)",
+    )
     p.add_argument("--samples-log", help="write each step's sample positions to PATH.rank<R>.jsonl")
     return p.parse_args(argv)
-
-
-# ---------------------------------------------------------------------------------------------
-# Batches: the loader packs samples unshifted, as stored. EAGLE pairs the feature of position t
-# with the token of position t+1, so each packed document loses its first token (for tokens and
-# targets) and its last feature (for the aux states). Done per document, never across two.
-
-
-def align_batch(batch: dict) -> dict:
-    """[1, T] packed loader batch -> the EAGLE-aligned view, [1, T - n_docs]."""
-    doc = batch["document_ids"][0]
-    boundary = doc[1:] != doc[:-1]
-    first = torch.cat([boundary.new_ones(1), boundary])  # first token of each document
-    last = torch.cat([boundary, boundary.new_ones(1)])  # last token of each document
-    out = {
-        "input_ids": batch["input_ids"][:, ~first],
-        "aux": batch["hidden_states"][:, ~last],
-        "loss_mask": batch["loss_mask"][:, ~first],
-        "position_ids": batch["position_ids"][:, ~first],
-        "document_ids": doc[~first],
-    }
-    if "verifier_last_hidden_states" in batch:
-        out["verifier"] = batch["verifier_last_hidden_states"][:, ~first]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,26 +111,6 @@ def align_batch(batch: dict) -> dict:
 # It counts only if that token is a loss token of the same document. The target is either the
 # target model's distribution there (the stored last state at i+s through its norm + lm_head,
 # restricted to the draft vocabulary) or, without a target model, that token itself.
-
-
-def step_validity(view: dict, steps: int) -> list[torch.Tensor]:
-    doc, mask = view["document_ids"], view["loss_mask"][0].bool()
-    t = len(doc)
-    valid = []
-    for s in range(steps):
-        j = s + 1
-        ok = torch.zeros(t, dtype=torch.bool, device=doc.device)
-        if j < t:
-            ok[:-j] = (doc[j:] == doc[:-j]) & mask[j:] & (doc[:-j] >= 0)
-        valid.append(ok)
-    return valid
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[i + n] at position i along dim 0 (zeros past the end)."""
-    if n == 0:
-        return x
-    return torch.cat([x[n:], x.new_zeros((n, *x.shape[1:]))])
 
 
 def ttt_loss(
@@ -453,6 +422,9 @@ def train(args: argparse.Namespace) -> dict:
         checkpoint(stop)
 
     elapsed = time.perf_counter() - run_start
+    acceptance = None
+    if master and args.eval_samples > 0:
+        acceptance = _predict(args, model, aux_pos, target_tensors, head, device)
     losses = [h["loss"] for h in history]
     mean_accs = [sum(h["acc"]) / len(h["acc"]) for h in history]  # nan if any step had none
     summary = {
@@ -470,12 +442,36 @@ def train(args: argparse.Namespace) -> dict:
         "epoch": loader.epoch,
         "first_batch_time": first_batch_at,
         "extraction_complete": completion(ds.refresh().manifest.provenance).complete,
+        "acceptance": acceptance,
     }
     if samples_log is not None:
         samples_log.close()
     if world > 1:
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}
+
+
+def _predict(args, model, aux_pos, target_tensors, train_head, device) -> dict:
+    """The acceptance an engine serving this drafter greedily should count (acceptance.py)."""
+    head = None
+    if train_head is not None:  # the target's greedy token: its argmax over the whole vocabulary
+        norm = target_tensors["norm"]
+        head = TargetHead(norm, target_tensors["head"], train_head.eps, train_head.apply_norm)
+        head = head.to(device)
+    data = args.eval_data or args.data
+    k = args.eval_draft_tokens or args.ttt_steps
+    counts = predict_acceptance(
+        model, data, aux_layers=aux_pos, head=head, k=k, max_samples=args.eval_samples,
+        max_tokens=args.max_tokens, device=device,
+    )  # fmt: skip
+    rates = " ".join(f"{r:.3f}" for r in counts.rates)
+    where = "held-out" if args.eval_data else "training"
+    print(
+        f"predicted acceptance ({counts.drafts} drafts of {k} on {where} samples of {data}): "
+        f"per position {rates} | mean accepted length {counts.mean_accepted_length:.2f}",
+        flush=True,
+    )
+    return {**counts.to_json(), "data": str(data), "held_out": bool(args.eval_data)}
 
 
 def main(argv: list[str] | None = None) -> dict:
