@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -93,14 +94,63 @@ def fold(storage: Storage, version: int, checkpoints: list[int]) -> Manifest:
                 man = read_checkpoint(storage, base)
             except HsstoreError:
                 continue
-    for delta in reversed(deltas):
-        man = man.apply(delta, where=storage.path_of(paths.manifest_key(delta.version)))
+    man = replay(storage, ((d.version, d) for d in reversed(deltas)), state=man)
     if not deltas and man.version == version and v == base and base:
         # The version is a checkpoint's: the chain's link is its own file's checksum (a
         # damaged file is reported by verify; the state itself came from the checkpoint).
         with contextlib.suppress(HsstoreError):
             man = replace(man, head_checksum=_checksum_of(read_version(storage, version)))
     return man
+
+
+def replay(
+    storage: Storage,
+    docs: Iterable[tuple[int, Manifest | Delta | None]],
+    *,
+    state: Manifest | None = None,
+    checkpoints: Collection[int] = (),
+    problem: Callable[[str, str], None] | None = None,
+) -> Manifest | None:
+    """Fold version files, in version order, onto ``state`` (the state just before the first):
+    a full manifest replaces the state; a delta's link to the file before it is checked
+    (`Delta.check_follows`), then it applies. None stands for a version file that could not be
+    read.
+
+    Without ``problem`` (a reader's fold) a broken link or a delta that does not apply raises. With it (verify
+    --full, every version file), each is reported and the fold starts again from the next full
+    manifest or from a checkpoint at or just below the next delta; None when it never does.
+    """
+    prev = state.head_checksum if state is not None else None
+    for v, doc in docs:
+        where = storage.path_of(paths.manifest_key(v))
+        if doc is None or isinstance(doc, Manifest):
+            state, prev = doc, None if doc is None else doc.head_checksum
+            continue
+        try:
+            doc.check_follows(v - 1, prev, where=where)  # whatever the state came from
+            if state is None and problem is not None:
+                state = _checkpoint_below(storage, v, checkpoints)
+            if state is not None and (state.version == v - 1 or problem is None):
+                state = replace(state, head_checksum=None).apply(doc, where=where)
+            elif state is not None and state.version == v:
+                state = replace(state, head_checksum=doc.checksum)
+        except HsstoreError as exc:
+            if problem is None:
+                raise
+            problem(exc.path or where, exc.message)
+            state = None
+        prev = doc.checksum
+    return state
+
+
+def _checkpoint_below(storage: Storage, v: int, checkpoints: Collection[int]) -> Manifest | None:
+    """The checkpoint of version ``v`` or ``v - 1``, where one is listed and loads."""
+    base = v if v in checkpoints else v - 1 if v - 1 in checkpoints else None
+    if base is None:
+        return None
+    with contextlib.suppress(HsstoreError, OSError):
+        return read_checkpoint(storage, base)
+    return None
 
 
 def _checksum_of(doc: Manifest | Delta) -> str | None:
@@ -193,7 +243,7 @@ def check_not_rolled_back(storage: Storage, latest: int) -> None:
     hint = announced_version(storage)
     if hint is not None and hint > latest and not storage.exists(paths.manifest_key(latest + 1)):
         raise IntegrityError(
-            f"version {hint} was published but manifests/v{latest + 1:08d}.json is missing: the "
+            f"version {hint} was published but {paths.manifest_key(latest + 1)} is missing: the "
             f"newest versions were deleted or rolled back (restore them, or run `hsstore "
             f"repair` to accept the loss)",
             path=storage.root,
@@ -211,7 +261,7 @@ def check_hint_matches(storage: Storage, latest: Manifest) -> None:
         and hint.checksum != latest.head_checksum
     ):
         raise IntegrityError(
-            f"manifests/v{latest.version:08d}.json is not the version {latest.version} that was "
+            f"{paths.manifest_key(latest.version)} is not the version {latest.version} that was "
             f"announced (checksum {latest.head_checksum}, announced {hint.checksum}): it was "
             f"replaced (restore it, or run `hsstore repair` to accept the loss)",
             path=storage.root,

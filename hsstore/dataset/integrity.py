@@ -11,12 +11,11 @@ where rows are involved, the sample ids affected.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from hsstore.errors import HsstoreError, IntegrityError, NotADatasetError
 from hsstore.segment.check import check_shard
 from hsstore.segment.reader import SegmentReader
 from hsstore.spec import paths
-from hsstore.spec.manifest import Manifest
+from hsstore.spec.manifest import Delta, Manifest
 from hsstore.storage.locations import open_storage
 from hsstore.storage.store import Storage
 
@@ -269,41 +268,18 @@ def _check_every_version(
 ) -> None:
     """verify --full: read every version file, check each link of the hash chain, and fold the
     whole history, which must end in the latest version."""
-    state: Manifest | None = None
-    prev: str | None = None
-    for v in range(versions[0], versions[-1] + 1):
-        where = storage.path_of(paths.manifest_key(v))
-        try:
-            doc = commit.read_version(storage, v)
-        except (HsstoreError, OSError) as exc:
-            if not isinstance(exc, NotADatasetError):  # a gap is reported with the listing
-                problem(getattr(exc, "path", None) or where, getattr(exc, "message", str(exc)))
-            state, prev = None, None
-            continue
-        if isinstance(doc, Manifest):
-            state, prev = doc, doc.head_checksum
-            continue
-        if doc.prev is not None and prev is not None and doc.prev != prev:
-            problem(
-                where,
-                f"hash chain broken: names a version {v - 1} with checksum {doc.prev}, but "
-                f"manifests/v{v - 1:08d}.json has {prev} (a version was replaced)",
-            )
-            state = None
-        if state is None:
-            base = v if v in checkpoints else v - 1 if v - 1 in checkpoints else None
-            if base is not None:
-                with contextlib.suppress(HsstoreError, OSError):
-                    state = commit.read_checkpoint(storage, base)
-        if state is not None and state.version == v - 1:
+
+    def every_version() -> Iterator[tuple[int, Manifest | Delta | None]]:
+        for v in range(versions[0], versions[-1] + 1):
             try:
-                state = replace(state, head_checksum=None).apply(doc, where=where)
-            except HsstoreError as exc:
-                problem(exc.path or where, exc.message)
-                state = None
-        elif state is not None and state.version == v:
-            state = replace(state, head_checksum=doc.checksum)
-        prev = doc.checksum
+                yield v, commit.read_version(storage, v)
+            except (HsstoreError, OSError) as exc:
+                if not isinstance(exc, NotADatasetError):  # a gap is reported with the listing
+                    where = getattr(exc, "path", None) or storage.path_of(paths.manifest_key(v))
+                    problem(where, getattr(exc, "message", str(exc)))
+                yield v, None
+
+    state = history.replay(storage, every_version(), checkpoints=checkpoints, problem=problem)
     if state is None:
         problem(storage.root, "the history cannot be folded up to the latest version")
     elif state.segments != latest.segments:

@@ -25,6 +25,7 @@ from hsstore.errors import (
     IntegrityError,
     UnsupportedVersionError,
 )
+from hsstore.spec import paths
 from hsstore.spec.dtypes import (
     COLUMN_DTYPES,
     DTYPES,
@@ -51,9 +52,8 @@ FORMAT_VERSION = 4
 # Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
 # without a checksum (see FORMAT.md).
 
-# Provenance lists a commit may append to (and nothing else of the provenance may change):
-# inputs a converter left out, the start and end records of extraction runs, and what a
-# repair dropped or restored.
+# Provenance lists a commit may append to (and nothing else of the provenance may change): inputs
+# a converter left out, the start and end records of extraction runs, what a repair changed.
 APPENDED_PROVENANCE = ("skipped", "runs", "repairs")
 
 # A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
@@ -220,17 +220,7 @@ class Manifest:
             raise FormatError(
                 f"delta is version {delta.version}, expected {self.version + 1}", path=where
             )
-        if (
-            delta.prev is not None
-            and self.head_checksum is not None
-            and delta.prev != self.head_checksum
-        ):
-            raise IntegrityError(
-                f"hash chain broken: this delta follows a version {self.version} whose file had "
-                f"checksum {delta.prev}, but manifests/v{self.version:08d}.json has "
-                f"{self.head_checksum} (a version was replaced)",
-                path=where,
-            )
+        delta.check_follows(self.version, self.head_checksum, where=where)
         segments = self.segments
         if delta.remove_segments:
             gone = set(delta.remove_segments)
@@ -411,6 +401,16 @@ class Delta:
         if self.add_repairs:
             obj["add_repairs"] = list(self.add_repairs)
         return obj
+
+    def check_follows(self, version: int, checksum: str | None, *, where: str) -> None:
+        """Raise if this delta follows another file than ``checksum`` (None: not known)."""
+        if self.prev is not None and checksum is not None and self.prev != checksum:
+            raise IntegrityError(
+                f"hash chain broken: this delta follows a version {version} whose file had "
+                f"checksum {self.prev}, but {paths.manifest_key(version)} has {checksum} (a "
+                f"version was replaced)",
+                path=where,
+            )
 
     def to_bytes(self) -> bytes:
         return _seal(self.to_json(), where=f"manifest version {self.version}")
