@@ -23,6 +23,8 @@ def test_every_caller_picks_the_normed_final_state_in_any_order(layers):
     assert LayerChoice.resolve(layers, None, verifier=True).verifier == want
     aux, verifier = split_layers(layers, 8, need_last=True)
     assert verifier == want and sorted(aux) == sorted(set(range(4)) - {want})
+    # the order the engines feed fc in: shallowest first, whatever the stored order
+    assert [layers[i].depth for i in aux] == [2, 5, 8]
     depth = check_model_depth(layers, recorded=8, model_layers=4)
     assert depth.verdict.value == "FAIL" and "labelled after 8 +final_norm of 8" in depth.reason
 

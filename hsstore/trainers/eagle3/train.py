@@ -178,8 +178,11 @@ def split_layers(
 ) -> tuple[list[int], int]:
     """(positions of aux layers, position of the verifier layer) in ``ds.layers``.
 
-    The verifier is the deepest stored state (the loader's default); the rest are aux layers.
-    Soft targets need it to be the target's last layer; next-token training does not use it.
+    The verifier is the deepest stored state (the loader's default); the rest are aux layers,
+    in ascending depth whatever their stored order: vLLM (``set_aux_hidden_state_layers`` sorts
+    the ids) and SGLang (captures in the order of the decoder-layer loop, ``models/llama.py``)
+    both concatenate the aux states for ``fc`` shallowest first. Soft targets need the verifier
+    to be the target's last layer; next-token training does not use it.
     """
     deepest = verifier_position(layers)
     if need_last and num_hidden_layers is not None and layers[deepest].depth != num_hidden_layers:
@@ -187,7 +190,8 @@ def split_layers(
             f"deepest stored layer has depth {layers[deepest].depth}, the model has "
             f"{num_hidden_layers} layers: no last-layer state to distill from"
         )
-    return [i for i in range(len(layers)) if i != deepest], deepest
+    aux = [i for i in range(len(layers)) if i != deepest]
+    return sorted(aux, key=lambda i: (layers[i].depth, layers[i].final_norm)), deepest
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
