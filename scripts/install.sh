@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# The compiled decoder and digests link libzstd and libxxhash (setup.py); their headers come
+# The compiled decoder links libzstd and the digests build on xxHash's header (setup.py); the headers come
 # from the system's packages. Without them hsstore still builds, on its portable path.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libzstd-dev libxxhash-dev >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libzstd-dev libxxhash-dev >/dev/null

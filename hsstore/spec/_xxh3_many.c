@@ -4,8 +4,9 @@
  * sample's states, then its token columns). Hashing sample by sample from Python takes and
  * gives back the interpreter's lock several times per sample, and the thread that reads the
  * next batch waits for it each time; here one call hashes the whole batch while that thread
- * runs. The hash itself is libxxhash's XXH3-64, whose digests are fixed by its specification
- * (xxHash 0.8 and later): the digests of Python's xxhash.xxh3_64.
+ * runs. The hash itself is xxHash's XXH3-64 from its public header, compiled in (xxHash's
+ * header-only mode), whose digests are fixed by its specification from xxHash 0.8 on: the
+ * digests of Python's xxhash.xxh3_64.
  *
  * Every buffer is held through the buffer protocol for the length of the call, and every span
  * is checked against its buffer's length before any is hashed: nothing else is trusted.
@@ -13,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 /* Spans are (buffer, offset, length) triples, int64, ``per`` of them for each digest. */

@@ -15,7 +15,7 @@ import xxhash
 
 from hsstore import settings
 
-try:  # linked with libxxhash where its header was there at build time (setup.py)
+try:  # built where xxHash's header was there at build time (setup.py)
     from hsstore.spec._xxh3_many import xxh3_spans
 except ImportError:
     xxh3_spans = None
@@ -63,8 +63,7 @@ def finish_checksum(
 
 
 def fast_hashing() -> bool:
-    """Whether `span_checksums` hashes in one compiled call: the module linking libxxhash was
-    built, and ``HSSTORE_NO_FAST_DECODE=1`` does not ask for the portable path."""
+    """Whether `span_checksums` hashes in one compiled call: the module was built, and ``HSSTORE_NO_FAST_DECODE=1`` does not ask for the portable path."""
     return xxh3_spans is not None and not settings.current().no_fast_decode
 
 
