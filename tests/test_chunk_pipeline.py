@@ -89,6 +89,23 @@ def test_one_decode_thread_decodes_on_its_own_thread_and_delivers_the_same_batch
     assert raw["sample_index"].numel() > 1
 
 
+def test_some_layers_of_an_uncompressed_dataset_go_through_buffers_made_on_first_need(tmp_path):
+    path = tmp_path / "raw"
+    ds = hsstore.create(path, layers=LAYERS, hidden_size=H, dtype=torch.bfloat16, codec="none")
+    g = torch.Generator().manual_seed(2)
+    with ds.writer() as w:
+        for i in range(12):
+            states = torch.randn(20, len(LAYERS), H, generator=g).to(torch.bfloat16)
+            w.add(f"s{i}", torch.arange(20), torch.ones(20, dtype=torch.int64), states)
+    ds = hsstore.open(path)
+    opts = {"max_tokens": 64, "shuffle": False, "aux_layers": [0, 2], "verifier": False}
+    loader = Loader(path, num_threads=1, **opts)
+    got = [batch["per_layer_hidden_states"].clone() for batch in loader]
+    loader.close()
+    want = torch.cat([ds.read(i).hidden[:, [0, 2]] for i in range(len(ds))])
+    assert torch.equal(torch.cat([b[0, : 3 * 20] for b in got]), want)
+
+
 def test_batches_decode_around_the_caches_and_inline_checked_reads_into_them(
     compressed, monkeypatch
 ):

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.demo_model import build_tiny_model
+from hsstore.spec import paths
+from hsstore.storage.locations import open_storage
 from hsstore.trainers.eagle3.checkpoint import load_drafter
 from hsstore.trainers.eagle3.model import TargetHead, load_target_tensors
 from hsstore.trainers.eagle3.train import main
@@ -29,7 +34,9 @@ AUX = [LayerSpec(depth=1), LayerSpec(depth=2), LayerSpec(depth=3)]
 
 
 @torch.no_grad()
-def greedy_dataset(model_dir: Path, out: Path, *, final_norm: bool, n: int = 48, seed: int = 0):
+def greedy_dataset(
+    model_dir: Path, out: Path, *, final_norm: bool, n: int = 48, seed: int = 0, **create: Any
+):
     """``n`` samples: a random 8-token prompt (loss 0) and 40 greedy tokens (loss 1), with the
     states after layers 1, 2, 3 and the last layer (normed or not, as asked)."""
     from transformers import AutoModelForCausalLM
@@ -62,6 +69,7 @@ def greedy_dataset(model_dir: Path, out: Path, *, final_norm: bool, n: int = 48,
             "hidden_size": HIDDEN,
             "vocab_size": VOCAB,
         },
+        **create,
     )
     with ds.writer() as w:
         for i in range(n):
@@ -237,3 +245,37 @@ def test_command_line_reports_bad_input_in_one_line(tiny, tmp_path, broken):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and str(named) in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_damaged_sample_stops_the_run_unless_skip_damaged_says_go_on(tiny, tmp_path):
+    clean, _, _ = greedy_dataset(tiny["model_dir"], tmp_path / "clean", final_norm=True, n=12,
+                                 codec="none", chunk_bytes=16384)  # fmt: skip
+    data = tmp_path / "damaged"
+    shutil.copytree(clean, data)
+    storage = open_storage(str(data))
+    key = paths.segment_file(hsstore.open(data).manifest.segments[0].id, paths.shard_relpath(0))
+    raw = bytearray(storage.read_bytes(key))
+    raw[len(raw) // 2] ^= 0x40  # one bit of the states, in the real shard on disk
+    storage.delete(key)
+    storage.put(key, bytes(raw))
+    args = base_args({**tiny, "data": data}, tmp_path / "run", 12, "--epochs", "1")
+    cmd = [sys.executable, "-m", "hsstore.trainers.eagle3", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    stopped = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 2
+    lines = [line for line in stopped.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stopped.stderr
+    assert f"hsstore repair {data}" in lines[0] and "--skip-damaged" in lines[0]
+    named = re.search(r"sample '([^']+)'", lines[0])
+    assert named is not None, lines[0]
+
+    went_on = subprocess.run([*cmd, "--skip-damaged"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert went_on.returncode == 0, went_on.stderr
+    summary = json.loads(went_on.stdout.strip().splitlines()[-1])
+    skipped = summary["skipped_samples"]
+    assert named.group(1) in skipped and len(skipped) < 12
+    for sid in skipped:  # each named on stderr
+        assert any(repr(sid) in line and "damaged" in line for line in went_on.stderr.splitlines())
+    clean_args = base_args({**tiny, "data": clean}, tmp_path / "clean-run", 12, "--epochs", "1")
+    assert summary["steps"] == main(clean_args)["summary"]["steps"]

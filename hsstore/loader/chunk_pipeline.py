@@ -39,7 +39,10 @@ class ChunkPipeline:
         self._stop = stop
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hsstore-decode")
         self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        for _ in range(BUFFERS if compressed else 0):
+        # Uncompressed samples are read straight into the batch, except some of their layers
+        # (those runs go through buffers too): then the buffers are made on first need.
+        self._unmade = 0 if compressed else BUFFERS
+        for _ in range(BUFFERS - self._unmade):
             self._free.put(np.ones(BUFFER_BYTES, np.uint8))  # touched now, not in an epoch
 
     def run_batch(self, read: Callable[[RunsTo], object]) -> tuple[Future, SamplesRead]:
@@ -82,9 +85,13 @@ class ChunkPipeline:
         of its own, once a regular one is free), or None once stopped."""
         while not self._stop.is_set():
             try:
-                buf = self._free.get(timeout=_POLL_S)
+                buf = self._free.get(timeout=0 if self._unmade else _POLL_S)
             except queue.Empty:
-                continue
+                if self._unmade:  # only this thread takes buffers: no race on the count
+                    self._unmade -= 1
+                    buf = np.empty(BUFFER_BYTES, np.uint8)
+                else:
+                    continue
             if len(buf) < nbytes:
                 self._free.put(buf)
                 return np.empty(nbytes, np.uint8)

@@ -58,6 +58,7 @@ from hsstore.loader.collate import (
     placements,
     write_tokens,
 )
+from hsstore.loader.damaged import blank
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.dequant import dequantize_batch
 from hsstore.loader.shutdown import close_at_exit
@@ -129,12 +130,14 @@ class BatchFetcher:
         pin_memory: bool = False,
         ring: list[HostBuffers] | None = None,
         dequantize: bool = True,
+        skip: frozenset[int] = frozenset(),
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError("num_threads and prefetch must be >= 1")
         self.source, self.choice, self.shape = source, choice, shape
         self._layers = choice.read
         self._reuse, self._pin, self._dequantize = reuse_buffers, pin_memory, dequantize
+        self._skip = skip
         # Buffers handed back with a wake-up (None: wake up to stop).
         self._free: queue.Queue[HostBuffers | None] = queue.Queue()
         self._returned: deque[HostBuffers] = deque()  # handed back quietly (see _take_free)
@@ -238,6 +241,8 @@ class BatchFetcher:
                     if raw.scales is not None:
                         scales = self.source.read_scales_many(samples, tokens, self._layers)
                     write_tokens(raw, places, self.shape.packed, input_ids, loss_mask, scales)
+                    if self._skip:  # no task reads these rows: blank them here
+                        blank(raw, places, samples, self._skip)
                     if upcoming is not None and upcoming is not WAIT:  # its reads from disk
                         self.source.will_read(upcoming[0], self._layers)
                 except BaseException:
@@ -319,6 +324,8 @@ class BatchFetcher:
         """The batch's samples in storage order, each with the row of the batch's flattened
         ``[B * T]`` tokens where it starts."""
         order = np.argsort(samples, kind="stable")
+        if self._skip:
+            order = order[~np.isin(samples[order], list(self._skip))]
         first_rows = places.rows[order] * seq_len + places.starts[order]
         return deque(
             zip(

@@ -44,6 +44,7 @@ class LoaderOptions:
     rank: int | None = None
     world_size: int | None = None
     verify_reads: bool | None = None  # checksum every read (default: the dataset's, else True)
+    skip_damaged: bool = False  # Loader: blank samples that fail their checks and go on
     # following a growing dataset (follow.FollowConfig)
     follow: bool = False
     follow_window: int = 256

@@ -105,6 +105,8 @@ class PlannedEpochs:
     (``follow.FirstPass``) and later epochs cover the samples of that pass.
     """
 
+    skips_damaged = False  # whether it honours skip_damaged (the Loader does)
+
     @shows_options
     def __init__(self, dataset: Any, options: LoaderOptions | None = None, **overrides: Any):
         if isinstance(dataset, RankPlan):
@@ -114,6 +116,10 @@ class PlannedEpochs:
             spec = dataset
         else:
             spec = RankPlan.from_options(dataset, LoaderOptions.of(options, overrides))
+            if spec.options is not None and spec.options.skip_damaged and not self.skips_damaged:
+                raise TypeError(
+                    f"skip_damaged is an option of the Loader, not of {type(self).__name__}"
+                )
         self.rank_plan = spec
         self.options = spec.options
         self.source, self.config = spec.source, spec.config
@@ -282,6 +288,7 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
     """
 
     dequantize = True  # fp8 states leave as values (the Loader's workers may leave them fp8)
+    skip: frozenset[int] = frozenset()  # damaged samples the Loader's workers blank
 
     @shows_options
     def __init__(
@@ -330,6 +337,7 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
             prefetch=self.prefetch,
             reuse_buffers=self.reuse_buffers,
             dequantize=self.dequantize,
+            skip=self.skip,
         )
         try:
             for raw in fetcher:

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
-from hsstore.errors import BadInputError
+from hsstore.errors import BadInputError, IntegrityError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
+from hsstore.loader.damaged import DamagedSamples, stopped_by
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
 from hsstore.loader.options import LoaderOptions, shows_options
@@ -138,6 +139,10 @@ class _Pipeline:
             self._pending = (self._tags.popleft(), raw)
         return None if self._pending is None else self._pending[0]
 
+    def failed_batch(self) -> _Tag | None:
+        """The tag of the batch whose decoding raised (the next one not delivered), if known."""
+        return self._tags[0] if self._tags else None
+
     def take(self) -> RawBatch:
         """Deliver the peeked batch."""
         assert self._pending is not None, "take() without a successful peek()"
@@ -163,6 +168,8 @@ class Loader(PlannedEpochs):
     every batch is a fresh device allocation and stays valid. ``close()`` stops the decode
     threads now rather than when the Loader is garbage collected.
     """
+
+    skips_damaged = True
 
     @shows_options
     def __init__(
@@ -190,18 +197,27 @@ class Loader(PlannedEpochs):
         # (epoch, global batch, repeat) of the batch delivered last: which of the epoch's
         # batches it was, and whether it only pads the last round (see tail="pad").
         self.last_batch: tuple[int, int, bool] | None = None
+        self.damaged = DamagedSamples()  # found so far (skip_damaged: blanked in batches)
 
     # --- position ------------------------------------------------------------------------
 
+    @property
+    def skipped(self) -> list[str]:
+        """The ids of the damaged samples this loader has blanked so far (``skip_damaged``),
+        those of the run it resumed included, in the order found."""
+        return list(self.damaged.ids)
+
     def state_dict(self) -> dict[str, Any]:
         """``{"version", "epoch", "step", "start", "world_size", "position", "seed",
-        "fingerprint"}`` (and ``"follow"`` when following): batches delivered so far."""
-        return self._base_state()
+        "fingerprint", "skipped"}`` (and ``"follow"`` when following): batches delivered so
+        far, and the damaged samples found (ids)."""
+        return {**self._base_state(), "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue with exactly the batches the saving run had not delivered yet, at this
         loader's world size (docs/LOADER.md, "Elastic resume")."""
         self._restore(state)
+        self.damaged.restore(self.source, state.get("skipped", ()))
         self._epoch_len = None
         if self.first_pass is not None:
             self.close()  # the restored windows replace the pass the pipeline was planning
@@ -263,8 +279,13 @@ class Loader(PlannedEpochs):
                 pipe = self._pipeline()
                 try:
                     tag = pipe.peek()
-                except BaseException:
+                except IntegrityError as exc:
                     self.close()  # the fetcher is dead after an error; the next call restarts
+                    if self._skips(exc, pipe.failed_batch()):
+                        continue  # the same position again, without the damaged samples
+                    raise stopped_by(exc, self.source.path) from exc
+                except BaseException:
+                    self.close()
                     raise
                 if tag is None or tag.epoch != epoch:  # nothing (more) in this epoch
                     break
@@ -289,6 +310,20 @@ class Loader(PlannedEpochs):
                     "(empty dataset, or tail='drop' with fewer batches than ranks)",
                     path=self.source.path,
                 )
+
+    def _skips(self, error: IntegrityError, failed: _Tag | None) -> bool:
+        """With ``skip_damaged``: whether the samples of the failed batch (else the one the
+        error names) include damaged ones not yet skipped, now added to those skipped."""
+        if self.options is None or not self.options.skip_damaged:
+            return False
+        candidates: list[int] = []
+        if failed is not None:
+            batches = (self.first_pass if failed.epoch == 0 and self.first_pass is not None
+                       else self.global_plan(failed.epoch))  # fmt: skip
+            candidates += batches.batch(failed.batch)[0].tolist()
+        if error.sample_id is not None:
+            candidates.append(self.source.ds.position(error.sample_id))
+        return bool(self.damaged.find(self.source, self.choice.read, candidates))
 
     def _epoch_done(self) -> bool:
         """Whether the current epoch was delivered to its end (known from the last tag)."""
@@ -336,6 +371,7 @@ class Loader(PlannedEpochs):
                 pin_memory=pin,
                 ring=self._ring,
                 dequantize=self.device is None,
+                skip=self.damaged.positions,
             )
             last_epoch = None
         elif self.following:
@@ -390,7 +426,7 @@ class _RawBatchStream(HiddenStateStream):
         fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
                                num_threads=self.num_threads, prefetch=self.prefetch,
                                reuse_buffers=self.reuse_buffers,
-                               dequantize=self.dequantize)  # fmt: skip
+                               dequantize=self.dequantize, skip=self.skip)  # fmt: skip
         try:
             yield from fetcher
         finally:
@@ -419,6 +455,11 @@ class _FollowTagged:
         except StopIteration:
             if self._next_step() is not None:
                 raise RuntimeError("the loader's workers ended the first pass early") from None
+            raise
+        except IntegrityError:  # tag the batch that failed, for the Loader to look into
+            item = self._next_step()
+            if item is not None:
+                self._tags.append(_first_pass_tag(self._spec, self._pass, self._start, item))
             raise
         item = self._next_step()
         if item is None or not np.array_equal(raw.sample_index, self._pass.batch(item[1])[0]):
@@ -449,6 +490,7 @@ class _WorkerBatches:
         stream.epoch, stream.start, stream.step = loader.epoch, loader.start, loader.step
         stream.first_pass, stream.stop = loader.first_pass, stop  # the windows so far
         stream.dequantize = loader.device is None
+        stream.skip = loader.damaged.positions
         # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
         # its worker processes down, the way DataLoader documents for an iterator going away.
         self._dl: Iterator[RawBatch] | None = iter(

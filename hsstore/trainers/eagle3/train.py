@@ -88,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=0, help="0 = only at the end")
+    p.add_argument(
+        "--skip-damaged",
+        action="store_true",
+        help="train past samples that fail their checks (checksum, decode): each is named, "
+        "blanked in its batch (no loss) and counted in the summary; default: stop",
+    )
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=4, help="loader decode threads")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK if available, else cpu")
@@ -201,6 +207,16 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def skipped_on_every_rank(mine: list[str], world: int) -> list[str]:
+    """The damaged samples any rank blanked (its loader's state: this run's and those of the
+    run it resumed), each once, sorted."""
+    found = [mine]
+    if world > 1:
+        found = [[] for _ in range(world)]
+        torch.distributed.all_gather_object(found, mine)
+    return sorted({sid for ids in found for sid in ids})
+
+
 def _window_mean(values: list[float], first: bool) -> float:
     """Mean of the first or last tenth of a run (at least 1, at most 20 steps): one batch is
     too noisy to compare the start and the end of a run."""
@@ -311,6 +327,7 @@ def train(args: argparse.Namespace) -> dict:
         follow=args.follow,
         follow_window=args.follow_window,
         follow_timeout_s=args.follow_timeout,
+        skip_damaged=args.skip_damaged,
     )
     start_step = 0
     if ckpt is not None:
@@ -448,6 +465,7 @@ def train(args: argparse.Namespace) -> dict:
         "extraction_complete": completion(ds.refresh().manifest.provenance).complete,
         "acceptance": acceptance,
     }
+    summary["skipped_samples"] = skipped_on_every_rank(loader.skipped, world)
     if samples_log is not None:
         samples_log.close()
     if world > 1:
