@@ -47,9 +47,14 @@ def _damage_behind_the_crc(ds: hsstore.Dataset, sid: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_a_sample_failing_only_its_checksum_is_named_alone(tmp_path, monkeypatch, workers):
-    monkeypatch.setattr(sample_pass, "WINDOW_BYTES", 32 * ROW_BYTES)  # ~4 samples a window
+@pytest.mark.parametrize(
+    "workers, window_rows",
+    [(1, 32), (3, 32), (2, 1)],  # ~4 samples a window; every sample a window of its own
+)
+def test_a_sample_failing_only_its_checksum_is_named_alone(
+    tmp_path, monkeypatch, workers, window_rows
+):
+    monkeypatch.setattr(sample_pass, "WINDOW_BYTES", window_rows * ROW_BYTES)
     ds = _build(tmp_path / "ds", 60)
     assert hsstore.verify(ds.path, workers=workers).ok
     _damage_behind_the_crc(ds, "s37")

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from hsstore.cores import default_read_threads
 from hsstore.dataset.dataset import Dataset
 from hsstore.dataset.joined_index import JoinedIndex
 from hsstore.dataset.sample_checks import failing_samples, token_columns
@@ -55,6 +56,7 @@ class _Segment:
             manifest.num_layers * manifest.hidden_size * manifest.storage_dtype.itemsize
         )
         self._alone: Dataset | None = None
+        self.threads = default_read_threads()  # a large sample's share of chunks, as `Dataset.read`
 
     def windows(self) -> list[tuple[int, int]]:
         """Samples [a, b) of each window: consecutive samples spanning at most `WINDOW_BYTES`
@@ -78,6 +80,8 @@ class _Segment:
         man = self.manifest
         out = np.empty((hi - lo, man.num_layers, man.hidden_size), man.storage_dtype)
         everyone = np.arange(a, b)
+        if b - a == 1:  # a sample as large as a window: hashed as its rows land, in cache
+            return everyone if self._fails_alone(a, out) else everyone[:0]
         try:
             # No chunk crc: each sample's checksum covers its decoded bytes.
             self.reader.read_rows(lo, hi, None, out, crc=False, runs_to=_read_as_one)
@@ -88,6 +92,18 @@ class _Segment:
         if failing is None:
             return self._hash_each(out, a, b)
         return everyone[failing]
+
+    def _fails_alone(self, k: int, out: np.ndarray) -> bool:
+        """Whether sample ``k``, decoded into ``out`` and hashed as it lands, fails to read or
+        to match its checksum."""
+        row, n = int(self.index.row[k]), int(self.index.len[k])
+        hasher = xxhash.xxh3_64()
+        try:
+            self.reader.read_rows(row, row + n, None, out, hasher=hasher, threads=self.threads)
+            columns = token_columns(self.reader, row, n)
+        except (HsstoreError, OSError):
+            return True
+        return finish_checksum(hasher, *columns) != int(self.index.checksum[k])
 
     def _hash_each(self, out: np.ndarray, a: int, b: int) -> np.ndarray:
         """`check_window`'s hashing sample by sample, where it cannot be done in one call."""
