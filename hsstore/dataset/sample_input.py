@@ -33,6 +33,28 @@ def shorten(text: str) -> str:
     return repr(text) if len(text) <= 80 else repr(text[:80]) + "..."
 
 
+def check_names(where: str, sample_id: Any, source: Any) -> None:
+    """Refuse a sample id that is not a non-empty string that can be stored, or a source name
+    that is neither None nor such a string (``where``: the dataset, named in errors)."""
+    if not isinstance(sample_id, str) or not sample_id:
+        raise BadInputError(
+            f"sample id must be a non-empty string, got {sample_id!r}",
+            path=source if isinstance(source, str) else where,
+        )
+    problem = text_problem(sample_id)
+    if problem:
+        raise BadInputError(f"sample id {shorten(sample_id)} {problem}", path=where)
+    if source is not None and not isinstance(source, str):
+        raise BadInputError(
+            f"source must be a string or None, got {type(source).__name__}",
+            path=where,
+            sample_id=sample_id,
+        )
+    problem = text_problem(source) if source is not None else None
+    if problem:
+        raise BadInputError(f"source {shorten(source)} {problem}", path=where, sample_id=sample_id)
+
+
 def check_sample(
     manifest: Manifest,
     where: str,

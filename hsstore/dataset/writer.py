@@ -16,9 +16,8 @@ import torch
 from hsstore.codec import tiers
 from hsstore.commits import commit, history
 from hsstore.commits.lease import DEFAULT_TTL_S, LeaseKeeper
-from hsstore.dataset.sample_input import check_sample, check_scales, shorten, text_problem
+from hsstore.dataset.sample_input import check_names, check_sample, check_scales
 from hsstore.errors import (
-    BadInputError,
     CommitUnknownError,
     ConflictError,
     DuplicateSampleError,
@@ -110,25 +109,7 @@ class Writer:
         if self._closed:
             raise ConflictError("writer is closed", path=self.storage.root)
         where = self.storage.root
-        if not isinstance(sample_id, str) or not sample_id:
-            raise BadInputError(
-                f"sample id must be a non-empty string, got {sample_id!r}",
-                path=source if isinstance(source, str) else where,
-            )
-        problem = text_problem(sample_id)
-        if problem:
-            raise BadInputError(f"sample id {shorten(sample_id)} {problem}", path=where)
-        if source is not None and not isinstance(source, str):
-            raise BadInputError(
-                f"source must be a string or None, got {type(source).__name__}",
-                path=where,
-                sample_id=sample_id,
-            )
-        problem = text_problem(source) if source is not None else None
-        if problem:
-            raise BadInputError(
-                f"source {shorten(source)} {problem}", path=where, sample_id=sample_id
-            )
+        check_names(where, sample_id, source)
         if sample_id in self._committed_ids or sample_id in self._new_ids:
             raise DuplicateSampleError(
                 "sample id is already in the dataset", path=self.storage.root, sample_id=sample_id

@@ -12,7 +12,7 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ import torch
 
 from hsstore.codec import fp8
 from hsstore.errors import BadInputError
+from hsstore.interop.formats.safe_load import load_torch_file
+from hsstore.spec.conventions import ConventionError, to_canonical
 from hsstore.spec.layers import LayerSpec
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -72,6 +74,33 @@ class ForeignReader(ABC):
     dtype: torch.dtype
     model: dict | None
 
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        num_hidden_layers: int | None = None,
+        **options: Any,
+    ) -> None:
+        """Open the folder ``path`` (BadInputError naming it when it is not one) and read the
+        metadata (`_open`). ``layer_ids`` and ``num_hidden_layers`` say which states the files
+        hold where the format does not record it; ``options`` are a format's own."""
+        self.path = require_dir(path)
+        self._open(layer_ids, num_hidden_layers, **options)
+
+    @abstractmethod
+    def _open(
+        self, layer_ids: Sequence[int] | None, num_hidden_layers: int | None, **options: Any
+    ) -> None:
+        """Read what the format records: set ``layers``, ``hidden_size``, ``dtype``, ``model``."""
+
+    def _canonical(self, convention: str, ids: Sequence[int], num_hidden_layers: int) -> list:
+        """The canonical layers the format's ``ids`` name, or BadInputError naming the folder."""
+        try:
+            return to_canonical(convention, ids, num_hidden_layers)
+        except ConventionError as exc:
+            raise BadInputError(str(exc), path=str(self.path)) from None
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -93,6 +122,49 @@ class ForeignReader(ABC):
     def provenance(self) -> dict[str, Any]:
         """What a converted dataset should remember about this source."""
         return {"source_format": self.format, "source": str(self.path)}
+
+
+class FileListReader(ForeignReader):
+    """A reader of one file per sample: ``_files``, in the order ``read`` numbers them."""
+
+    _files: list[Path]
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def names(self) -> list[str]:
+        return [p.relative_to(self.path).as_posix() for p in self._files]
+
+    def _load(self, i: int, keys: tuple[str, ...]) -> tuple[str, dict]:
+        """Sample file i (its path, for errors) and its dict, which must hold ``keys``."""
+        where = str(self._files[i])
+        return where, require_keys(load_torch_file(self._files[i]), keys, where)
+
+    def _probe(self) -> tuple[int, torch.dtype]:
+        """Hidden size and dtype from the first file that loads and tells them (`_shape_of`);
+        files may be bad, and ``read`` says which."""
+        why = None  # why no file could tell, named in the error
+        for p in self._files:
+            try:
+                found = self._shape_of(load_torch_file(p))
+            except BadInputError as exc:
+                why = why or f"; {exc}"
+                continue
+            if isinstance(found, str):
+                why = why or f"; {p}: {found}"
+            elif found is not None:
+                return found
+        raise BadInputError(
+            f"no readable {self._file_kind} to learn hidden size and dtype from{why or ''}",
+            path=str(self.path),
+        )
+
+    _file_kind = "data file"
+
+    @staticmethod
+    @abstractmethod
+    def _shape_of(obj: Any) -> tuple[int, torch.dtype] | str | None:
+        """The hidden size and dtype a loaded file shows, why it cannot (a reason), or None."""
 
 
 # ----------------------------------------------------------------------------- file discovery

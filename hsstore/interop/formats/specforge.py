@@ -25,8 +25,8 @@ from hsstore.errors import BadInputError
 from hsstore.interop.formats.base import (
     MINE,
     NOT_MINE,
+    FileListReader,
     ForeignFormat,
-    ForeignReader,
     ForeignSample,
     ForeignWriter,
     FormatOption,
@@ -37,14 +37,11 @@ from hsstore.interop.formats.base import (
     has_file,
     int_view,
     natural_key,
-    require_dir,
-    require_keys,
     strip_suffix,
     unique_stems,
 )
 from hsstore.interop.formats.final_norm import FinalNorm, load_final_norm
-from hsstore.interop.formats.safe_load import load_torch_file
-from hsstore.spec.conventions import SPECFORGE, ConventionError, from_canonical, to_canonical
+from hsstore.spec.conventions import SPECFORGE, ConventionError, from_canonical
 from hsstore.spec.layers import LayerSpec
 
 FORMAT = "specforge"
@@ -62,19 +59,12 @@ def list_data_files(root: Path) -> list[Path]:
     return sorted(set(files), key=lambda p: natural_key(strip_suffix(p.name, SUFFIXES)))
 
 
-class SpecForgeReader(ForeignReader):
+class SpecForgeReader(FileListReader):
     """Reads a SpecForge offline directory; see the module docstring."""
 
     format = FORMAT
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        layer_ids: Sequence[int] | None = None,
-        num_hidden_layers: int | None = None,
-    ) -> None:
-        self.path = require_dir(path)
+    def _open(self, layer_ids: Sequence[int] | None, num_hidden_layers: int | None) -> None:
         self._files = list_data_files(self.path)
         if not self._files:
             raise BadInputError(
@@ -95,10 +85,7 @@ class SpecForgeReader(ForeignReader):
             )
         self.aux_layer_ids = aux
         self.num_hidden_layers = num_hidden_layers
-        try:
-            self.layers = to_canonical(SPECFORGE, [*aux, num_hidden_layers], num_hidden_layers)
-        except ConventionError as exc:
-            raise BadInputError(str(exc), path=str(self.path)) from None
+        self.layers = self._canonical(SPECFORGE, [*aux, num_hidden_layers], num_hidden_layers)
         if any(s.final_norm for s in self.layers[:-1]):
             raise BadInputError(
                 f"aux layer id {num_hidden_layers} names the final state, which SpecForge stores separately",
@@ -111,35 +98,16 @@ class SpecForgeReader(ForeignReader):
             "hidden_size": self.hidden_size,
         }
 
-    def _probe(self) -> tuple[int, torch.dtype]:
-        empty = None  # why no file could tell, named in the error
-        for p in self._files:
-            try:
-                obj = load_torch_file(p)
-            except BadInputError as exc:
-                empty = empty or f"; {exc}"
-                continue
-            h = obj.get("hidden_state") if isinstance(obj, dict) else None
-            if isinstance(h, torch.Tensor) and h.dim() >= 2 and h.dtype.is_floating_point:
-                if h.shape[-1] == 0:
-                    empty = empty or f"; {p}: hidden states of width 0"
-                    continue
-                return int(h.shape[-1]), h.dtype
-        raise BadInputError(
-            f"no readable data file to learn hidden size and dtype from{empty or ''}",
-            path=str(self.path),
-        )
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def names(self) -> list[str]:
-        return [p.relative_to(self.path).as_posix() for p in self._files]
+    @staticmethod
+    def _shape_of(obj: Any) -> tuple[int, torch.dtype] | str | None:
+        h = obj.get("hidden_state") if isinstance(obj, dict) else None
+        if isinstance(h, torch.Tensor) and h.dim() >= 2 and h.dtype.is_floating_point:
+            return "hidden states of width 0" if h.shape[-1] == 0 else (int(h.shape[-1]), h.dtype)
+        return None
 
     def read(self, i: int) -> ForeignSample:
         p = self._files[i]
-        where = str(p)
-        obj = require_keys(load_torch_file(p), KEYS, where)
+        where, obj = self._load(i, KEYS)
         input_ids, loss_mask = check_tokens(
             obj["input_ids"], obj["loss_mask"], where, strict_dtype=False
         )
@@ -324,19 +292,12 @@ def detect(folder: Path) -> int:
     return MINE if any(has_file(folder, p) for p in patterns) else NOT_MINE
 
 
-FOREIGN_FORMAT = ForeignFormat(
-    name=FORMAT,
-    marker="data_*.ckpt[.gz]",
-    detect=detect,
-    reader=SpecForgeReader,
-    writer=open_writer,
-    writer_options=(
-        FormatOption(
-            "target",
-            "--target",
-            "the target model folder (config.json + safetensors); only its final norm is read, "
-            "to apply to a final state stored before the norm.",
-            refusal="{flag} is used only to apply the final norm for {owner}, not {fmt}",
-        ),
-    ),
+TARGET = FormatOption(
+    "target",
+    "--target",
+    "the target model folder (config.json + safetensors); only its final norm is read, to apply "
+    "to a final state stored before the norm.",
+    refusal="{flag} is used only to apply the final norm for {owner}, not {fmt}",
 )
+FOREIGN_FORMAT = ForeignFormat(FORMAT, "data_*.ckpt[.gz]", detect, SpecForgeReader, open_writer,
+                               writer_options=(TARGET,))  # fmt: skip

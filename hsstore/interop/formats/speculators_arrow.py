@@ -55,10 +55,9 @@ from hsstore.interop.formats.base import (
     check_hidden,
     check_tokens,
     has_file,
-    require_dir,
     write_json,
 )
-from hsstore.spec.conventions import VLLM, ConventionError, from_canonical, to_canonical
+from hsstore.spec.conventions import VLLM, ConventionError, from_canonical
 from hsstore.spec.layers import LayerSpec
 
 FORMAT = "speculators-arrow"
@@ -111,15 +110,12 @@ class SpeculatorsArrowReader(ForeignReader):
 
     format = FORMAT
 
-    def __init__(
+    def _open(
         self,
-        path: str | os.PathLike,
-        *,
-        layer_ids: Sequence[int] | None = None,
-        num_hidden_layers: int | None = None,
+        layer_ids: Sequence[int] | None,
+        num_hidden_layers: int | None,
         hidden_states_path: str | os.PathLike | None = None,
     ) -> None:
-        self.path = require_dir(path)
         self.hs_dir = Path(hidden_states_path) if hidden_states_path else self.path / HS_DIR
         if not self.hs_dir.is_dir():
             where = "--hidden-states-path" if hidden_states_path else f"{HS_DIR}/"
@@ -164,10 +160,7 @@ class SpeculatorsArrowReader(ForeignReader):
             )
         n = num_hidden_layers if num_hidden_layers is not None else max(ids)
         self.num_hidden_layers = n
-        try:
-            self.layers = to_canonical(VLLM, self.layer_ids, n)
-        except ConventionError as exc:
-            raise BadInputError(str(exc), path=str(self.path)) from None
+        self.layers = self._canonical(VLLM, self.layer_ids, n)
         self.model = {"name": None, "num_hidden_layers": n, "hidden_size": self.hidden_size}
 
     def _hs_path(self, i: int) -> Path:
@@ -412,26 +405,17 @@ def detect(folder: Path) -> int:
     return MINE if (folder / HS_DIR).is_dir() and arrow else NOT_MINE
 
 
-FOREIGN_FORMAT = ForeignFormat(
-    name=FORMAT,
-    marker="Arrow dataset",
-    detect=detect,
-    reader=SpeculatorsArrowReader,
-    writer=SpeculatorsArrowWriter,
-    reader_options=(
-        FormatOption(
-            "hidden_states_path",
-            "--hidden-states-path",
-            "the hs_{i}.safetensors folder when it is not DIR/hidden_states.",
-        ),
-    ),
-    writer_options=(
-        FormatOption(
-            "fp8",
-            "--fp8",
-            "store float8_e4m3fn states with per-token scales, as hs-connectors' FP8 connector "
-            "writes them.",
-            is_flag=True,
-        ),
-    ),
+HIDDEN_STATES_PATH = FormatOption(
+    "hidden_states_path",
+    "--hidden-states-path",
+    "the hs_{i}.safetensors folder when it is not DIR/hidden_states.",
 )
+FP8 = FormatOption(
+    "fp8",
+    "--fp8",
+    "store float8_e4m3fn states with per-token scales, as hs-connectors' FP8 connector writes "
+    "them.",
+    is_flag=True,
+)
+FOREIGN_FORMAT = ForeignFormat(FORMAT, "Arrow dataset", detect, SpeculatorsArrowReader,
+                               SpeculatorsArrowWriter, (HIDDEN_STATES_PATH,), (FP8,))  # fmt: skip

@@ -16,7 +16,6 @@ i.e. canonical depth v + 1, never normed.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +29,7 @@ from hsstore.interop.formats.base import (  # noqa: F401 (atomic_write, write_js
     MINE,
     NESTED,
     NOT_MINE,
+    FileListReader,
     ForeignFormat,
     ForeignReader,
     ForeignSample,
@@ -47,13 +47,12 @@ from hsstore.interop.formats.base import (  # noqa: F401 (atomic_write, write_js
     unique_stems,
     write_json,
 )
-from hsstore.interop.formats.safe_load import load_torch_file, open_regular
+from hsstore.interop.formats.safe_load import open_regular
 from hsstore.spec.conventions import (
     SPECULATORS,
     VLLM,
     ConventionError,
     from_canonical,
-    to_canonical,
 )
 from hsstore.spec.layers import LayerSpec
 
@@ -92,19 +91,12 @@ def read_json(path: Path) -> Any:
         raise BadInputError("not valid JSON (nested too deeply)", path=str(path)) from None
 
 
-class SpeculatorsV1Reader(ForeignReader):
+class SpeculatorsV1Reader(FileListReader):
     """Reads a speculators v1 directory; see the module docstring for the layout."""
 
     format = FORMAT
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        layer_ids: Sequence[int] | None = None,
-        num_hidden_layers: int | None = None,
-    ) -> None:
-        self.path = require_dir(path)
+    def _open(self, layer_ids: Sequence[int] | None, num_hidden_layers: int | None) -> None:
         self._files = list_data_files(self.path)
         if not self._files:
             raise BadInputError("no data_{i}.pt files found", path=str(self.path))
@@ -116,10 +108,7 @@ class SpeculatorsV1Reader(ForeignReader):
         n = num_hidden_layers if num_hidden_layers is not None else max(ids) + 1
         self.num_hidden_layers = n
         self.num_hidden_layers_inferred = num_hidden_layers is None
-        try:
-            self.layers = to_canonical(SPECULATORS, ids, n)
-        except ConventionError as exc:
-            raise BadInputError(str(exc), path=str(self.path)) from None
+        self.layers = self._canonical(SPECULATORS, ids, n)
         self.hidden_size, self.dtype = self._probe()
         model_cfg = self._config_model()
         cfg_h = model_cfg.get("hidden_size")
@@ -133,14 +122,18 @@ class SpeculatorsV1Reader(ForeignReader):
 
     # -- metadata ------------------------------------------------------------------------------
 
-    def _load_config(self) -> dict | None:
-        p = self.path / CONFIG_FILE
+    def _side_object(self, name: str, expected: str) -> dict | None:
+        """The JSON object in side file ``name`` (None when there is none)."""
+        p = self.path / name
         if not p.exists():
             return None
-        cfg = read_json(p)
-        if not isinstance(cfg, dict):
-            raise BadInputError("expected a JSON object", path=str(p))
-        return cfg
+        obj = read_json(p)
+        if not isinstance(obj, dict):
+            raise BadInputError(f"expected a JSON object{expected}", path=str(p))
+        return obj
+
+    def _load_config(self) -> dict | None:
+        return self._side_object(CONFIG_FILE, "")
 
     def _config_model(self) -> dict:
         """data_config.json's ``model`` section, its fields checked for the types we use."""
@@ -163,12 +156,10 @@ class SpeculatorsV1Reader(ForeignReader):
         return model
 
     def _load_lengths(self) -> dict[str, int] | None:
-        p = self.path / LENGTHS_FILE
-        if not p.exists():
+        obj = self._side_object(LENGTHS_FILE, ' {"i": T, ...}')
+        if obj is None:
             return None
-        obj = read_json(p)
-        if not isinstance(obj, dict):
-            raise BadInputError('expected a JSON object {"i": T, ...}', path=str(p))
+        p = self.path / LENGTHS_FILE
         for k, v in obj.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise BadInputError(
@@ -207,44 +198,24 @@ class SpeculatorsV1Reader(ForeignReader):
         # The capture hook appends states while walking the layers, so files hold them ascending.
         return sorted(ids)
 
-    def _probe(self) -> tuple[int, torch.dtype]:
-        """Hidden size and dtype from the first file that loads (files may be bad; read() says)."""
-        empty = None  # why no file could tell, named in the error
-        for p in self._files:
-            try:
-                obj = load_torch_file(p)
-            except BadInputError as exc:
-                empty = empty or f"; {exc}"
-                continue
-            hs = obj.get("hidden_states") if isinstance(obj, dict) else None
-            if (
-                isinstance(hs, (list, tuple))
-                and hs
-                and isinstance(hs[0], torch.Tensor)
-                and hs[0].dim() == 2
-            ):
-                dtype = hs[0].dtype
-                if dtype.is_floating_point and hs[0].shape[1] == 0:
-                    empty = empty or f"; {p}: hidden states of width 0"
-                elif dtype.is_floating_point:
-                    return int(hs[0].shape[1]), dtype
-        raise BadInputError(
-            f"no readable data_{{i}}.pt file to learn hidden size and dtype from{empty or ''}",
-            path=str(self.path),
+    _file_kind = "data_{i}.pt file"
+
+    @staticmethod
+    def _shape_of(obj: Any) -> tuple[int, torch.dtype] | str | None:
+        hs = obj.get("hidden_states") if isinstance(obj, dict) else None
+        if not (isinstance(hs, (list, tuple)) and hs and isinstance(hs[0], torch.Tensor)):
+            return None
+        if hs[0].dim() != 2 or not hs[0].dtype.is_floating_point:
+            return None
+        return (
+            "hidden states of width 0"
+            if hs[0].shape[1] == 0
+            else (int(hs[0].shape[1]), hs[0].dtype)
         )
-
-    # -- samples -------------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def names(self) -> list[str]:
-        return [p.relative_to(self.path).as_posix() for p in self._files]
 
     def read(self, i: int) -> ForeignSample:
         p = self._files[i]
-        where = str(p)
-        obj = require_keys(load_torch_file(p), KEYS, where)
+        where, obj = self._load(i, KEYS)
         input_ids, loss_mask = check_tokens(obj["input_ids"], obj["loss_mask"], where)
         t = len(input_ids)
         hs = obj["hidden_states"]
@@ -464,9 +435,5 @@ def detect(folder: Path) -> int:
 
 
 FOREIGN_FORMAT = ForeignFormat(
-    name=FORMAT,
-    marker="data_*.pt",
-    detect=detect,
-    reader=SpeculatorsV1Reader,
-    writer=SpeculatorsV1Writer,
+    FORMAT, "data_*.pt", detect, SpeculatorsV1Reader, SpeculatorsV1Writer
 )
