@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -83,6 +84,20 @@ def write_checkpoint(storage: Storage, man: Manifest) -> None:
 RESOLVE_TIMEOUT_S = float(os.environ.get("HSSTORE_RESOLVE_TIMEOUT", "300"))
 
 
+# After a create that did not win, a writer waits a random share (full jitter) of a window
+# that doubles with each such attempt of one commit, up to RETRY_CAP_S. Racing writers then
+# spread their next attempts over the window instead of all creating the next version at once
+# (when all do, one wins and the rest only repeat the work), and no wait grows without bound.
+RETRY_BASE_S = 0.002
+RETRY_CAP_S = 0.1
+_jitter = random.SystemRandom()  # not a seeded generator, which forked writers would share
+
+
+def lost_race_wait(losses: int) -> float:
+    """Seconds to wait before the next attempt, after ``losses`` attempts that did not win."""
+    return _jitter.uniform(0.0, min(RETRY_CAP_S, RETRY_BASE_S * 2 ** min(losses, 16)))
+
+
 def new_token() -> str:
     """A commit token's writer part; `publish` callers add ``.<attempt>``."""
     return uuid.uuid4().hex
@@ -120,6 +135,7 @@ def publish(
     wait = RESOLVE_TIMEOUT_S if resolve_s is None else resolve_s
     pending: tuple[int, bytes] | None = None  # a create whose outcome is not known yet
     deadline = 0.0
+    losses = 0
     for attempt in range(max_attempts):
         try:
             latest, mine = _catch_up(storage, latest, token, claims)
@@ -166,7 +182,8 @@ def publish(
         if pending is None:
             deadline = time.monotonic() + wait
         pending = (version, data)
-        time.sleep(min(0.05, 0.001 * (attempt + 1)))
+        losses += 1
+        time.sleep(lost_race_wait(losses))
     raise FormatError(f"could not publish after {max_attempts} attempts", path=storage.root)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,11 +91,15 @@ class Dataset:
         self._loaded: LoadedSegments | None = None
         self._load(manifest or commit.load_manifest(self.storage, version))
 
-    def _load(self, manifest: Manifest) -> None:
+    def _load(
+        self,
+        manifest: Manifest,
+        known: Mapping[str, tuple[SegmentReader, pa.Table]] | None = None,
+    ) -> None:
         # Segments are immutable and a commit usually only appends: on refresh, keep the
         # readers (and their decoded indexes and caches) of segments already loaded and read
         # only the new ones; the joined index is rebuilt when next used.
-        loaded = load_segments(self.storage, manifest, self._loaded)
+        loaded = load_segments(self.storage, manifest, self._loaded, known)
         # Only once every index is in: a failed read leaves the view at its old version.
         self.manifest, self._loaded = manifest, loaded
         self._readers, self._tables = loaded.readers, loaded.tables
@@ -491,7 +495,9 @@ class _ViewWriter(Writer):
         published = super().commit()
         if published is not None:
             # Published: from here on nothing may turn the commit into an error. A view that
-            # cannot load now (a failed read) is refreshed again on its next use.
+            # cannot load now (a failed read) is refreshed again on its next use. The indexes
+            # the writer read (other writers' segments) are not read again.
             with contextlib.suppress(HsstoreError, OSError):
-                self._view.refresh(to=published)
+                if published.version > self._view.manifest.version:
+                    self._view._load(published, self.take_indexes_read())
         return published

@@ -3,6 +3,7 @@ the segments left out because their index is damaged."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -25,11 +26,16 @@ class LoadedSegments:
 
 
 def load_segments(
-    storage: Storage, manifest: Manifest, previous: LoadedSegments | None
+    storage: Storage,
+    manifest: Manifest,
+    previous: LoadedSegments | None,
+    known: Mapping[str, tuple[SegmentReader, pa.Table]] | None = None,
 ) -> LoadedSegments:
     """Read the index of each segment of ``manifest`` not in ``previous`` (the segments an
     earlier version of the same view loaded, kept with their readers when the version only
-    appends to them)."""
+    appends to them) nor in ``known`` (a reader and index already read, by segment id: a
+    writer's, which read the segments other writers published)."""
+    known = known or {}
     previous = previous or LoadedSegments()
     readers, tables = list(previous.readers), list(previous.tables)
     seen, unreadable = previous.ids, dict(previous.unreadable)
@@ -41,9 +47,10 @@ def load_segments(
         # A segment whose index cannot be read is left out of the view, named in
         # `unreadable`: damage stays in the samples it touched (verify names them, and
         # `hsstore.repair` publishes a version without them).
-        reader = SegmentReader(storage, manifest, info)
+        reader, table = known.get(info.id, (SegmentReader(storage, manifest, info), None))
         try:
-            table = reader.index()
+            if table is None:
+                table = reader.index()
             if table.num_rows != info.num_samples:
                 raise IntegrityError(
                     f"index has {table.num_rows} rows, manifest says {info.num_samples}",

@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from hsstore.codec import tiers
@@ -69,6 +70,10 @@ class Writer:
             encode_threads or os.cpu_count() or 1,
         )
         self._known_segments = {s.id for s in manifest.segments}
+        # The index of each segment other writers published that this writer read to check
+        # for duplicate ids, until `take_indexes_read` hands them on (a view then need not
+        # read them again).
+        self._indexes_read: dict[str, tuple[SegmentReader, pa.Table]] = {}
         self._committed_ids = set(committed_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
@@ -187,6 +192,7 @@ class Writer:
         `CommitUnknownError` (the storage never answered whether the version was created):
         nothing is lost, and calling ``commit()`` again learns the outcome.
         """
+        self._indexes_read.clear()  # ones no view took: they are read again where needed
         if self._unresolved is None:
             self.flush()
             if not self._finished and not self._skipped and not self._runs:
@@ -206,15 +212,22 @@ class Writer:
             hit = claimed.intersection(delta.condemn)
             if hit:
                 raise self._removed(hit, mine, None, lapsed=self.leases.lapsed(sorted(hit)))
+            # Read the segments other writers published now, while catching up, so that the
+            # step from the last read of the log to the create is short (a racing writer
+            # publishes in that window). Only read here: build_next judges them, and reads
+            # again any that failed to read now.
+            for seg in delta.add_segments:
+                if seg.id not in self._known_segments and seg.id not in self._indexes_read:
+                    with contextlib.suppress(HsstoreError, OSError):
+                        self._read_index(seg)
 
         def build_next(latest: Manifest) -> Manifest:
             # By id, not by position: a repair removes segments, so new ones need not be last.
             for seg in latest.segments:
                 if seg.id in self._known_segments:
                     continue
-                theirs = set(
-                    SegmentReader(self.storage, latest, seg).index().column("sample_id").to_pylist()
-                )
+                reader, table = self._indexes_read.get(seg.id) or self._read_index(seg)
+                theirs = set(table.column("sample_id").to_pylist())
                 clash = theirs & my_ids
                 if clash:
                     raise DuplicateSampleError(
@@ -275,6 +288,17 @@ class Writer:
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
         return published
+
+    def _read_index(self, seg: SegmentInfo) -> tuple[SegmentReader, pa.Table]:
+        reader = SegmentReader(self.storage, self.manifest, seg)
+        self._indexes_read[seg.id] = (reader, reader.index())
+        return self._indexes_read[seg.id]
+
+    def take_indexes_read(self) -> dict[str, tuple[SegmentReader, pa.Table]]:
+        """The reader and index of each segment of other writers this writer has read since
+        the last call (checked as a view checks them), by segment id."""
+        taken, self._indexes_read = self._indexes_read, {}
+        return taken
 
     def _damaged(self, mine: list[SegmentInfo]) -> set[str]:
         """Segments of a just-published commit whose files are not all there at their sizes

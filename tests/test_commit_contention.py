@@ -1,0 +1,99 @@
+"""Writers racing to commit to one dataset: what each commit costs in storage calls, and that
+no writer's retries wait without bound. (Throughput is measured by tools/bench_commits.py.)"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import torch
+
+import hsstore
+from hsstore import LayerSpec
+from hsstore.commits import commit
+from hsstore.spec import paths
+from hsstore.storage.local_store import LocalStorage
+from tools.bench_commits import CountingStorage, sample
+
+WRITERS, COMMITS = 4, 4
+
+
+class _Reads(CountingStorage):
+    """Counts, besides the bench's classes, every read of a version file that returned bytes
+    and every read of a segment's index, by key."""
+
+    def __init__(self, inner: LocalStorage):
+        super().__init__(inner)
+        self.reads: Counter[str] = Counter()
+
+    def read_bytes(self, key: str) -> bytes:
+        data = super().read_bytes(key)
+        self.reads[key] += 1
+        return data
+
+
+def test_racing_writers_read_each_version_and_each_index_once(tmp_path):
+    location = str(tmp_path / "ds")
+    hsstore.create(location, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=64,
+                   dtype=torch.bfloat16)  # fmt: skip
+    barrier = threading.Barrier(WRITERS)
+    storages = [_Reads(LocalStorage(location)) for _ in range(WRITERS)]
+    segments: list[set[str]] = [set() for _ in range(WRITERS)]
+    errors: list[BaseException] = []
+
+    def write(w: int) -> None:
+        try:
+            ds = hsstore.open(storages[w])
+            writer = ds.writer(encode_threads=1)
+            storages[w].reads.clear()
+            storages[w].counts.clear()
+            barrier.wait()
+            for i in range(COMMITS):
+                writer.add(f"w{w}-{i}", *sample(w * 100 + i))
+                published = writer.commit()
+                segments[w].add(published.segments[-1].id)
+                assert ds.manifest.version == published.version  # the view moved with it
+            assert len(ds) == len(ds.index)  # and holds every sample up to its version
+            writer.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(WRITERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+
+    ds = hsstore.open(location)
+    assert sorted(ds.sample_ids) == sorted(
+        f"w{w}-{i}" for w in range(WRITERS) for i in range(COMMITS)
+    )
+    assert ds.manifest.version == 1 + WRITERS * COMMITS  # one version per commit
+    for w, storage in enumerate(storages):
+        index_reads = {
+            key.split("/")[1]: n for key, n in storage.reads.items() if key.endswith(paths.INDEX)
+        }
+        # The writer's duplicate-id check and its view share one read of each segment another
+        # writer published (the view reads the writer's own once, as it loads the version).
+        assert set(index_reads) <= set().union(*segments)
+        assert max(index_reads.values()) == 1, index_reads
+        # Catching up reads only the versions after the one last seen, each once.
+        version_reads = [n for key, n in storage.reads.items() if key.startswith("manifests/v")]
+        assert max(version_reads, default=1) == 1
+        assert len(version_reads) <= ds.manifest.version - 1 - COMMITS
+        # Every create of a version but the one that won per commit lost a race.
+        creates = storage.counts["version_create"]
+        assert creates - storage.counts["version_create_lost"] == COMMITS
+
+
+def test_waits_after_lost_races_spread_out_and_stay_bounded():
+    """Each lost race doubles the window a writer draws its wait from, up to a cap: racing
+    writers spread out (no herd), and the thousandth retry waits no longer than the tenth."""
+    for losses in (1, 2, 5, 10, 100, 1000):
+        window = min(commit.RETRY_CAP_S, commit.RETRY_BASE_S * 2**losses)
+        waits = [commit.lost_race_wait(losses) for _ in range(400)]
+        assert all(0.0 <= x <= window for x in waits)
+        assert max(waits) > 0.8 * window and min(waits) < 0.2 * window  # drawn over all of it
+        assert len(set(waits)) == len(waits)  # not one schedule every writer shares
+    assert commit.RETRY_CAP_S <= 0.1

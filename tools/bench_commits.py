@@ -1,0 +1,253 @@
+"""Commit benchmark: many writer processes committing small samples to one dataset at once.
+
+For each N of ``--writers`` (default 1, 4, 16, 64), N processes open the same dataset and a
+writer each, wait at a start barrier, then each makes ``--commits`` commits of one small
+sample (`Writer.add` + `Writer.commit`, the public API). Every process's storage is the real
+backend wrapped to count its calls (tests/faults.py's wrapper, no fault injected), so the
+figures say where racing writers spend their calls: manifest versions read back, creates
+lost to another writer, the hint, leases, the segments of other writers read for the
+duplicate-id check. After each run the dataset is opened and must hold every sample once.
+
+    python tools/bench_commits.py                       # local folder, then S3 (SeaweedFS)
+    python tools/bench_commits.py --commits 50          # longer runs
+    python tools/bench_commits.py --backends local --writers 1 64
+    python tools/bench_commits.py --json                # one JSON document instead
+
+commits/s is every commit of the run over the time from the barrier to the last commit; p99
+over every commit's latency (add + commit). The line before the last holds the S3 figures
+(``s3_`` prefix); the last line, the local folder's:
+
+    commits_per_s_1=80 commits_per_s_64=95 scaling=1.19 p99_ms_64=900 calls_per_commit_64=30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import torch  # noqa: E402
+
+import hsstore  # noqa: E402
+from hsstore import LayerSpec  # noqa: E402
+from hsstore.spec import paths  # noqa: E402
+from hsstore.storage.locations import open_storage  # noqa: E402
+from tests.faults import FaultyStorage  # noqa: E402
+
+TOKENS, LAYERS, HIDDEN = 16, 2, 64
+CORES = len(os.sched_getaffinity(0))
+
+
+def kind_of(verb: str, key: str) -> str:
+    """What a storage call is for, by its key: the classes the report counts."""
+    if key.startswith(f"{paths.MANIFESTS}/"):
+        name = key.rsplit("/", 1)[-1]
+        if paths.manifest_version(name) is not None:
+            return "version_create" if verb == "put_if_absent" else "version_read"
+        if key == paths.LATEST_HINT:
+            return "hint"
+        if paths.checkpoint_version(name) is not None:
+            return "checkpoint"
+        return "manifests_other"
+    if key == paths.MANIFESTS:
+        return "list_manifests"
+    if key.endswith("/.writing"):
+        return "lease"
+    if key.endswith("/.committed"):
+        return "mark"
+    if key.startswith(f"{paths.SEGMENTS}/"):
+        return "segment_write" if verb in ("write_file", "put", "sync") else "segment_read"
+    if key == paths.SEGMENTS:
+        return "list_segments"
+    return "other"
+
+
+class CountingStorage(FaultyStorage):
+    """The real storage, every call counted by kind (and lost creates of versions)."""
+
+    def __init__(self, inner: Any):
+        super().__init__(inner)
+        self.counts: Counter[str] = Counter()
+
+    def _run(self, verb: str, key: str, do: Any) -> Any:
+        result = super()._run(verb, key, do)
+        kind = kind_of(verb, key)
+        self.counts[kind] += 1
+        if kind == "version_create" and result is False:
+            self.counts["version_create_lost"] += 1
+        return result
+
+
+def sample(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(TOKENS, LAYERS, HIDDEN, generator=g).to(torch.bfloat16)
+    return torch.arange(TOKENS) % 1000, torch.ones(TOKENS, dtype=torch.long), hidden
+
+
+def writer_process(
+    location: str, w: int, commits: int, barrier: Any, results: Any, env: dict[str, str]
+) -> None:
+    os.environ.update(env)
+    try:
+        storage = CountingStorage(open_storage(location))
+        ds = hsstore.open(storage)
+        writer = ds.writer(encode_threads=1)
+        samples = [sample(w * 100_000 + i) for i in range(commits)]
+        storage.counts.clear()  # opening is not what the run measures
+        barrier.wait()
+        start, cpu = time.monotonic(), time.process_time()
+        latencies = []
+        for i, (ids, mask, hidden) in enumerate(samples):
+            t0 = time.monotonic()
+            writer.add(f"w{w}-{i}", ids, mask, hidden)
+            writer.commit()
+            latencies.append(time.monotonic() - t0)
+        end, cpu = time.monotonic(), time.process_time() - cpu
+        writer.close()
+        results.put({"w": w, "start": start, "end": end, "cpu": cpu, "lat": latencies,
+                     "counts": dict(storage.counts)})  # fmt: skip
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        results.put({"w": w, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def run(ctx: Any, location: str, writers: int, commits: int, env: dict[str, str]) -> dict:
+    hsstore.create(location, layers=[LayerSpec(k + 1) for k in range(LAYERS)],
+                   hidden_size=HIDDEN, dtype=torch.bfloat16)  # fmt: skip
+    barrier, results = ctx.Barrier(writers), ctx.Queue()
+    procs = [
+        ctx.Process(target=writer_process, args=(location, w, commits, barrier, results, env))
+        for w in range(writers)
+    ]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [r["error"] for r in got if "error" in r]
+    if errors:
+        raise SystemExit(f"{len(errors)} writer(s) failed; first: {errors[0]}")
+    ds = hsstore.open(location)
+    expected = {f"w{w}-{i}" for w in range(writers) for i in range(commits)}
+    ids = list(ds.sample_ids)
+    if len(ids) != len(expected) or set(ids) != expected:
+        raise SystemExit(f"{location}: {len(ids)} samples, expected each of {len(expected)} once")
+    total = writers * commits
+    wall = max(r["end"] for r in got) - min(r["start"] for r in got)
+    lat = sorted(x for r in got for x in r["lat"])
+    counts: Counter[str] = Counter()
+    for r in got:
+        counts.update(r["counts"])
+    calls = sum(v for k, v in counts.items() if k != "version_create_lost")
+    slowest_writer = max(r["end"] - r["start"] for r in got)
+    return {
+        "writers": writers,
+        "commits": total,
+        "commits_per_s": total / wall,
+        "p50_ms": lat[len(lat) // 2] * 1e3,
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
+        "max_ms": lat[-1] * 1e3,
+        "slowest_writer_s": slowest_writer,
+        "wall_s": wall,
+        "calls_per_commit": calls / total,
+        # CPU seconds every writer spent per commit: the machine's cores over this bound
+        # the commits/s it can reach at this N, whatever the protocol's waits.
+        "cpu_ms_per_commit": sum(r["cpu"] for r in got) / total * 1e3,
+        "per_commit": {k: round(v / total, 2) for k, v in sorted(counts.items())},
+        "version": ds.manifest.version,
+    }
+
+
+def show(prefix: str, r: dict) -> None:
+    pc = r["per_commit"]
+    print(f"  {prefix}N={r['writers']:>2}: {r['commits_per_s']:7.1f} commits/s  "
+          f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  max {r['max_ms']:7.1f} ms  "
+          f"calls/commit {r['calls_per_commit']:6.1f}  lost creates/commit "
+          f"{pc.get('version_create_lost', 0):.2f}  cpu/commit {r['cpu_ms_per_commit']:.0f} ms "
+          f"(at most {CORES / r['cpu_ms_per_commit'] * 1e3:.0f} commits/s on {CORES} cores)",
+          flush=True)  # fmt: skip
+    print("      per commit: " + " ".join(f"{k}={v}" for k, v in pc.items()), flush=True)
+
+
+def summary(results: list[dict], prefix: str) -> str:
+    by = {r["writers"]: r for r in results}
+    lo, hi = min(by), max(by)
+    return (
+        f"{prefix}commits_per_s_{lo}={by[lo]['commits_per_s']:.1f} "
+        f"{prefix}commits_per_s_{hi}={by[hi]['commits_per_s']:.1f} "
+        f"{prefix}scaling={by[hi]['commits_per_s'] / by[lo]['commits_per_s']:.2f} "
+        f"{prefix}p99_ms_{hi}={by[hi]['p99_ms']:.0f} "
+        f"{prefix}calls_per_commit_{hi}={by[hi]['calls_per_commit']:.1f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--writers", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--commits", type=int, default=20, help="commits per writer")
+    ap.add_argument("--backends", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    ap.add_argument("--dir", default=None, help="scratch folder for the local datasets")
+    ap.add_argument("--json", action="store_true", help="print one JSON document")
+    args = ap.parse_args()
+
+    # Writers fork from a server process that imported everything once and never touched a
+    # storage client (an object-store client's threads do not survive a fork).
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "pandas", "hsstore", "tools.bench_commits"])
+    work = Path(tempfile.mkdtemp(prefix="bench-commits-", dir=args.dir))
+    out: dict[str, list[dict]] = {}
+    server = None
+    try:
+        for backend in ["s3", "local"] if "s3" in args.backends else ["local"]:
+            if backend not in args.backends:
+                continue
+            env: dict[str, str] = {}
+            if backend == "s3":
+                from tools.seaweed import SeaweedServer
+
+                server = SeaweedServer(work / "seaweedfs")
+                server.start()
+                env = server.env()
+                os.environ.update(env)
+            if not args.json:
+                print(f"{backend}: {args.commits} commits per writer", flush=True)
+            out[backend] = []
+            for n in args.writers:
+                if backend == "s3":
+                    location = f"s3://hsstore/{uuid.uuid4().hex}/ds"
+                else:
+                    location = str(work / f"ds-{n}")
+                r = run(ctx, location, n, args.commits, env)
+                out[backend].append(r)
+                if not args.json:
+                    show("", r)
+                if backend == "local":
+                    shutil.rmtree(location, ignore_errors=True)
+            if server is not None:
+                server.stop()
+                server = None
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return
+    if "s3" in out:
+        print(summary(out["s3"], "s3_"))
+    if "local" in out:
+        print(summary(out["local"], ""))
+
+
+if __name__ == "__main__":
+    main()
