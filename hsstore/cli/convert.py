@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
+from hsstore.cli._stopped import resumable
 from hsstore.codec.codecs import CODEC_NAMES, DEFAULT_CODEC
 from hsstore.interop.formats import ALL_FORMATS, EXPORT_FORMATS, FORMATS, HSSTORE, FormatOption
 
@@ -110,6 +111,7 @@ def _format_options(command: Callable) -> Callable:
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @handle_errors
+@resumable(lambda given: given["dst"])
 def command(
     src: str,
     dst: str,

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from hsstore.cli._common import emit_json, handle_errors
+from hsstore.cli._stopped import resumable
 from hsstore.extractors.options import cli_fields
 
 
@@ -40,6 +41,7 @@ def _option_flags(command: Callable) -> Callable:
 @click.option("--mem-fraction", type=float, default=None, help="sglang: mem_fraction_static.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
+@resumable(lambda given: given["out"])
 def command(tp_size: int | None, mem_fraction: float | None, as_json: bool, **given: Any) -> None:
     """Extract hidden states of every prompt token into an hsstore dataset (resumable)."""
     from hsstore.codec.tiers import checked
