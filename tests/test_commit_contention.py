@@ -70,7 +70,7 @@ def test_racing_writers_read_each_version_and_each_index_once(tmp_path):
         f"w{w}-{i}" for w in range(WRITERS) for i in range(COMMITS)
     )
     assert ds.manifest.version == 1 + WRITERS * COMMITS  # one version per commit
-    for w, storage in enumerate(storages):
+    for storage in storages:
         index_reads = {
             key.split("/")[1]: n for key, n in storage.reads.items() if key.endswith(paths.INDEX)
         }
