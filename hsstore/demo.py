@@ -1,7 +1,9 @@
 """The built-in example: the whole hsstore pipeline on a tiny model, on CPU, in seconds.
 
-tiny random Llama + chat prompts -> `extract` (2 parallel workers) -> `verify` -> `inspect`
--> export to speculators v1 -> one packed batch from the streaming loader.
+tiny random Llama + chat prompts -> `extract` (2 parallel workers, default layers) -> `verify`
+-> `inspect` -> export to speculators v1 -> one packed batch from the streaming loader. The
+default layers (EAGLE-3 aux layers, the final state before the norm) export to every peer as
+they are.
 """
 
 from __future__ import annotations
@@ -74,7 +76,6 @@ def run_demo(out: str | Path, *, workers: int = 2, progress: bool = True) -> dic
             data=str(prompts),
             out=str(dataset),
             workers=workers,
-            layers="eagle3,final-prenorm",  # the speculators v1 layout: aux layers + last, pre-norm
             progress=progress,
         )
     )

@@ -13,7 +13,7 @@ from hsstore.demo_model import build_tiny_model
 from hsstore.errors import BadInputError
 from hsstore.extractors.batching import parse_shard, plan_batches
 from hsstore.extractors.chat_tokens import ChatTokenizer, TokenizedPrompt
-from hsstore.extractors.layer_select import eagle3_aux_layers, parse_layers
+from hsstore.extractors.layer_select import default_layers, eagle3_aux_layers, parse_layers
 from hsstore.extractors.prompts import Prompt, SkippedRow, read_prompts
 from hsstore.spec import conventions
 
@@ -213,7 +213,16 @@ def test_chat_rows_need_a_template(tokenizer):
 def test_parse_layers_canonical_and_foreign():
     n = 32
     default = parse_layers(None, n)
+    # the final state before the norm: speculators' trainers need it, SpecForge's is derived
     assert [(s.depth, s.final_norm) for s in default] == [
+        (2, False),
+        (16, False),
+        (29, False),
+        (32, False),
+    ]
+    assert parse_layers(default_layers("transformers"), n) == default
+    # SGLang has no capture of the pre-norm final state: its runs store the normed one
+    assert [(s.depth, s.final_norm) for s in parse_layers(default_layers("sglang"), n)] == [
         (2, False),
         (16, False),
         (29, False),

@@ -182,7 +182,8 @@ def test_export_refuses_a_post_norm_final_state(tmp_path):
     r = CliRunner().invoke(
         main, ["convert", str(tmp_path / "ds"), str(tmp_path / "out"), "--to", "speculators-arrow"]
     )
-    assert r.exit_code == 2 and "before the norm" in r.stderr
+    assert r.exit_code == 2 and "before the final norm" in r.stderr
+    assert "extracting with --layers 2,4,6,final-prenorm would have made it exportable" in r.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -28,12 +28,12 @@ from hsstore.errors import BadInputError, ConflictError, HsstoreError
 from hsstore.extractors.backends.sglang.models import refuse_wrong_capture
 from hsstore.extractors.batching import parse_shard
 from hsstore.extractors.extra import require_extract_extra
-from hsstore.extractors.layer_select import parse_layers
+from hsstore.extractors.layer_select import default_layers, parse_layers
 from hsstore.extractors.options import ExtractOptions
 from hsstore.extractors.process_group import end_group, signal_group, wait_exited
 from hsstore.extractors.progress import Progress
 from hsstore.extractors.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
-from hsstore.spec.layers import LayerSpec
+from hsstore.spec.layers import LayerSpec, layers_option
 
 # how long interrupted workers get to commit what they completed before they are killed
 INTERRUPT_GRACE_S = 60.0
@@ -65,13 +65,15 @@ def _check_against(opts: ExtractOptions) -> dict[str, Any]:
     import hsstore
     from hsstore.extractors.check import DEFAULT_TOLERANCE, compare_datasets, verdict
 
-    stored_dtype = hsstore.open(opts.out).manifest.dtype
+    stored = hsstore.open(opts.out)
     with tempfile.TemporaryDirectory(prefix="hsstore-check-") as tmp:
         reference = replace(
             opts,
             backend=opts.check_against,
+            # the states the checked run stored, whichever default chose them
+            layers=layers_option(stored.layers, stored.manifest.model.num_hidden_layers),
             out=str(Path(tmp) / "reference"),
-            dtype=stored_dtype,
+            dtype=stored.manifest.dtype,
             check_against=None,
             workers=1,
             backend_options={},
@@ -113,7 +115,11 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
                 raise BadInputError("--backend sglang needs SGLang: pip install '.[sglang]'")
     config = getattr(full_config, "text_config", None) or full_config
     n, h = int(config.num_hidden_layers), int(config.hidden_size)
-    layers = parse_layers(opts.layers, n)
+    layers = _layers(opts, n)
+    if "sglang" in (opts.backend, opts.check_against):
+        from hsstore.extractors.backends.sglang.backend import plan_capture
+
+        plan_capture(layers, n)  # what SGLang cannot capture is refused before any model runs
     dtype = _store_dtype(opts, config)
     tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     device = _device(opts.device)
@@ -211,6 +217,20 @@ def _load_config(model: str, trust_remote_code: bool = False) -> Any:
         hint = remote_code_hint(exc, trust_remote_code)
         raise BadInputError(f"cannot load a model config: {hint}", path=model) from exc
     return config
+
+
+def _layers(opts: ExtractOptions, num_hidden_layers: int) -> list[LayerSpec]:
+    """``--layers``; left out, the layers of the dataset at ``--out`` when there is one (a
+    resumed run or another shard stores the same states), else the backend's default."""
+    if opts.layers is not None and opts.layers.strip():
+        return parse_layers(opts.layers, num_hidden_layers)
+    import hsstore
+    from hsstore.errors import NotADatasetError
+
+    try:
+        return list(hsstore.open(opts.out).layers)
+    except (FileNotFoundError, NotADatasetError):
+        return parse_layers(default_layers(opts.backend), num_hidden_layers)
 
 
 def _store_dtype(opts: ExtractOptions, config: Any) -> str:

@@ -85,3 +85,27 @@ def check_layer_list(layers: Sequence[LayerSpec], num_hidden_layers: int | None)
                 f"layer {i} has depth {spec.depth}, but the model has {num_hidden_layers} "
                 "decoder layers"
             )
+
+
+def layers_option(layers: Sequence[LayerSpec], num_hidden_layers: int) -> str:
+    """The ``hsstore extract --layers`` value that stores exactly ``layers``, in this order."""
+
+    def token(spec: LayerSpec) -> str:
+        if spec.depth == num_hidden_layers:
+            return "final" if spec.final_norm else "final-prenorm"
+        return str(spec.depth)
+
+    return ",".join(token(s) for s in layers)
+
+
+def prenorm_final_option(
+    layers: Sequence[LayerSpec], num_hidden_layers: int, min_depth: int = 0
+) -> str:
+    """``--layers`` for ``layers``' aux depths (ascending, from ``min_depth``) followed by the
+    final state before the norm: the layout speculators' trainers read. With no aux depth to
+    keep, the default EAGLE-3 choice."""
+    n = num_hidden_layers
+    aux = sorted({s.depth for s in layers if min_depth <= s.depth < n})
+    if not aux:
+        return "eagle3,final-prenorm"
+    return layers_option([LayerSpec(d) for d in aux] + [LayerSpec(n)], n)

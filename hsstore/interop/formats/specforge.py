@@ -40,6 +40,7 @@ from hsstore.interop.formats.base import (
     strip_suffix,
     unique_stems,
 )
+from hsstore.interop.formats.export_refusals import export_refusal
 from hsstore.interop.formats.final_norm import FinalNorm, load_final_norm
 from hsstore.spec.conventions import SPECFORGE, ConventionError, from_canonical
 from hsstore.spec.layers import LayerSpec
@@ -167,26 +168,31 @@ def reader_order(n: int) -> list[int]:
 
 
 def specforge_layout(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
-    """SpecForge aux ids of a dataset's layers, or BadInputError saying why it cannot hold them."""
+    """SpecForge aux ids of a dataset's layers, or BadInputError saying why it cannot hold them
+    and which ``--layers`` would have stored a dataset it can."""
     n = num_hidden_layers
     *aux, final = layers
+
+    def refuse(why: str) -> BadInputError:
+        # three aux layers kept as they are; otherwise the default choice, which has three
+        keep = layers if len({s.depth for s in aux if s.depth < n}) == NUM_AUX else []
+        return export_refusal(FORMAT, why, keep, n, path)
+
     if len(aux) != NUM_AUX or final.depth != n:
-        raise BadInputError(
-            f"cannot export to specforge: it needs exactly {NUM_AUX} aux layers plus the final "
-            f"state (after {n}) last, but this dataset stores {[s.label for s in layers]}",
-            path=path,
+        raise refuse(
+            f"it needs exactly {NUM_AUX} aux layers plus the final state (after {n}) last, but "
+            f"this dataset stores {[s.label for s in layers]}"
         )
     depths = [s.depth for s in aux]
     if depths != sorted(set(depths)) or any(s.final_norm for s in aux):
-        raise BadInputError(
-            f"cannot export to specforge: its aux layers are concatenated in ascending order, "
-            f"but this dataset stores {[s.label for s in aux]}",
-            path=path,
+        raise refuse(
+            "its aux layers are concatenated in ascending order, but this dataset stores "
+            f"{[s.label for s in aux]}"
         )
     try:
         ids = from_canonical(SPECFORGE, aux, n)
     except ConventionError as exc:
-        raise BadInputError(f"cannot export to specforge: {exc}", path=path) from None
+        raise refuse(str(exc)) from None
     return ids
 
 
@@ -210,17 +216,27 @@ def specforge_features(
 
 
 def check_final_norm(
-    layers: Sequence[LayerSpec], num_hidden_layers: int, norm: FinalNorm | None, path: str
+    layers: Sequence[LayerSpec],
+    num_hidden_layers: int,
+    norm: FinalNorm | None,
+    path: str,
+    recorded_model: str | None = None,
 ) -> FinalNorm | None:
     """The norm to apply to the final state (None when it is stored after the norm), or
     BadInputError when it is needed and missing or belongs to another model."""
     if layers[-1].final_norm:
         return None
     if norm is None:
+        where = (
+            f" (the dataset records the model as {recorded_model!r}, which is not a model folder "
+            "here)"
+            if recorded_model
+            else ""
+        )
         raise BadInputError(
             "the final state is stored before the final norm, but SpecForge needs it after "
             "(its target head is the lm_head alone); pass --target MODEL_DIR so the model's "
-            "final RMSNorm can be applied",
+            f"final RMSNorm can be applied{where}",
             path=path,
         )
     if norm.num_hidden_layers not in (None, num_hidden_layers):
@@ -232,10 +248,19 @@ def check_final_norm(
     return norm
 
 
+def recorded_model_folder(ds: Dataset) -> str | None:
+    """The model folder the dataset records (``hsstore extract --model``) when it is one here."""
+    name = ds.manifest.model.name if ds.manifest.model else None
+    if name and os.path.isfile(os.path.join(name, "config.json")):
+        return name
+    return None
+
+
 class SpecForgeWriter(ForeignWriter):
     """Writes what SpecForge 0.2's offline reader (``runtime/data_plane/offline_reader.py``) and
     EAGLE-3 normaliser (``algorithms/eagle3/data.py``) read. A pre-norm final state gets the
-    target's final norm applied (``norm``, from ``--target``); without it the export is refused."""
+    target's final norm applied (``norm``: see :func:`open_writer`); without it the export is
+    refused."""
 
     format = FORMAT
 
@@ -250,7 +275,8 @@ class SpecForgeWriter(ForeignWriter):
     ) -> None:
         self.out = out
         self.aux_ids = specforge_layout(ds.layers, num_hidden_layers, source)
-        self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source)
+        recorded = ds.manifest.model.name if ds.manifest.model else None
+        self.norm = check_final_norm(ds.layers, num_hidden_layers, norm, source, recorded)
 
     def sample_path(self, k: int) -> Path:
         return self.out / sample_relpath(k)
@@ -279,11 +305,14 @@ def open_writer(
     num_hidden_layers: int,
     target: str | os.PathLike | None = None,
 ) -> SpecForgeWriter:
-    """A writer for ``ds``; ``target`` (a model folder) gives the final norm a pre-norm final
-    state needs, and is not read when the state is already normed."""
+    """A writer for ``ds``. A final state stored before the norm gets the final norm of
+    ``target`` (a model folder), or else of the model folder the dataset records when it is
+    there; a state already normed needs neither."""
     norm = None
-    if target is not None and not ds.layers[-1].final_norm:
-        norm = load_final_norm(target, hidden_size=ds.hidden_size)
+    if not ds.layers[-1].final_norm:
+        folder = target if target is not None else recorded_model_folder(ds)
+        if folder is not None:
+            norm = load_final_norm(folder, hidden_size=ds.hidden_size)
     return SpecForgeWriter(ds, out, source=source, num_hidden_layers=num_hidden_layers, norm=norm)
 
 

@@ -57,6 +57,7 @@ from hsstore.interop.formats.base import (
     has_file,
     write_json,
 )
+from hsstore.interop.formats.export_refusals import export_refusal, require_prenorm_final
 from hsstore.spec.conventions import VLLM, ConventionError, from_canonical
 from hsstore.spec.layers import LayerSpec
 
@@ -280,20 +281,14 @@ _COLUMNS_INFO = {  # datasets' `features` for the three columns speculators' Arr
 
 def arrow_layer_ids(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
     """vLLM ids of a dataset's layers, or BadInputError saying why speculators cannot train on
-    them (its trainer takes the last layer as the verifier's final, pre-norm state)."""
+    them (its trainer takes the last layer as the verifier's final, pre-norm state) and which
+    ``--layers`` would have stored a dataset it can."""
     n = num_hidden_layers
-    last = layers[-1]
-    if last.depth != n or last.final_norm:
-        raise BadInputError(
-            "cannot export to speculators-arrow: its trainer takes the last stored layer as the "
-            f"verifier's final state before the norm (after {n}), but this dataset's last layer "
-            f"is {last.label}",
-            path=path,
-        )
+    require_prenorm_final(FORMAT, layers, n, path)
     try:
         return from_canonical(VLLM, layers, n)
     except ConventionError as exc:
-        raise BadInputError(f"cannot export to speculators-arrow: {exc}", path=path) from None
+        raise export_refusal(FORMAT, str(exc), layers, n, path) from None
 
 
 def write_hidden_states(

@@ -47,6 +47,7 @@ from hsstore.interop.formats.base import (  # noqa: F401 (atomic_write, write_js
     unique_stems,
     write_json,
 )
+from hsstore.interop.formats.export_refusals import export_refusal, require_prenorm_final
 from hsstore.interop.formats.safe_load import open_regular
 from hsstore.spec.conventions import (
     SPECULATORS,
@@ -57,6 +58,7 @@ from hsstore.spec.conventions import (
 from hsstore.spec.layers import LayerSpec
 
 FORMAT = "speculators-v1"
+SHOWN_AS = "speculators v1"  # how messages name the format
 CONFIG_FILE = "data_config.json"
 LENGTHS_FILE = "sample_lengths.json"
 KEYS = ("input_ids", "loss_mask", "hidden_states")
@@ -352,22 +354,22 @@ def build_data_config(
 
 
 def v1_layer_ids(layers: Sequence[LayerSpec], num_hidden_layers: int, path: str) -> list[int]:
-    """speculators ids for a dataset's layers, or BadInputError saying why v1 cannot hold them."""
+    """speculators ids for a dataset's layers, or BadInputError saying why v1 cannot hold them
+    and which ``--layers`` would have stored a dataset it can."""
+    n = num_hidden_layers
+    require_prenorm_final(SHOWN_AS, layers, n, path, min_depth=1)
     try:
-        ids = from_canonical(SPECULATORS, layers, num_hidden_layers)
+        ids = from_canonical(SPECULATORS, layers, n)
     except ConventionError as exc:
-        raise BadInputError(f"cannot export to speculators v1: {exc}", path=path) from None
+        raise export_refusal(SHOWN_AS, str(exc), layers, n, path, min_depth=1) from None
     if ids != sorted(set(ids)):
-        raise BadInputError(
-            f"cannot export to speculators v1: its files list layers in ascending order, "
-            f"but this dataset stores ids {ids}",
-            path=path,
-        )
-    if layers[-1].depth != num_hidden_layers:
-        raise BadInputError(
-            "cannot export to speculators v1: its trainer takes the last layer as the verifier's "
-            f"final state, but this dataset's last layer is {layers[-1].label} of {num_hidden_layers}",
-            path=path,
+        raise export_refusal(
+            SHOWN_AS,
+            f"its files list layers in ascending order, but this dataset stores ids {ids}",
+            layers,
+            n,
+            path,
+            min_depth=1,
         )
     return ids
 
