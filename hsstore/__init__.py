@@ -1,7 +1,7 @@
 """hsstore: LLM hidden states as a first-class dataset.
 
 Public API: `create`, `open`, `verify`, `gc`, `repair`, `Dataset`, `Sample`, `Writer`, `LayerSpec`,
-and the errors in `hsstore.errors`. See docs/API.md and docs/FORMAT.md.
+the errors in `hsstore.errors` and `DamageWarning`. See docs/API.md and docs/FORMAT.md.
 """
 
 from hsstore.dataset.create import create
@@ -9,6 +9,7 @@ from hsstore.dataset.dataset import Dataset, open
 from hsstore.dataset.integrity import VerifyReport, gc, verify
 from hsstore.dataset.repair import RepairReport, repair
 from hsstore.dataset.sample import Sample
+from hsstore.dataset.segment_set import DamageWarning
 from hsstore.dataset.writer import Writer
 from hsstore.errors import (
     BadInputError,
@@ -38,6 +39,7 @@ __all__ = [
     "CommitUnknownError",
     "ConflictError",
     "ConventionError",
+    "DamageWarning",
     "Dataset",
     "DuplicateSampleError",
     "FormatError",

@@ -121,7 +121,8 @@ def test_rerunning_the_convert_fills_in_what_repair_dropped(tmp_path):
     convert_to_hsstore(src, clean, progress=False)
     ds = hsstore.open(dst)
     storage = open_storage(dst)
-    storage.delete(paths.segment_file(ds.manifest.segments[1].id, paths.INDEX))
+    for name in (paths.INDEX, paths.INDEX_COPY):  # the index and its copy: the ids are lost
+        storage.delete(paths.segment_file(ds.manifest.segments[1].id, name))
     assert len(hsstore.open(dst)) == 4
     hsstore.repair(dst)
     assert len(hsstore.open(dst)) == 4 and hsstore.verify(dst).ok

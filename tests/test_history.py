@@ -53,13 +53,20 @@ def test_each_commit_writes_a_small_delta(long_history):
 
 
 def test_only_the_newest_two_checkpoints_are_kept(long_history):
+    """Besides version 1's copy (the dataset's description, kept should version 1's file be
+    lost)."""
     checkpoints = [n for n in _names(long_history) if n.startswith("c")]
-    assert checkpoints == [f"c{2 * K:08d}.json", f"c{3 * K:08d}.json"]
+    assert checkpoints == ["c00000001.json", f"c{2 * K:08d}.json", f"c{3 * K:08d}.json"]
     files = {f.name: f.stat().st_size for f in (long_history / "manifests").iterdir()}
     deltas = [size for name, size in files.items() if name.startswith("v")]
     # O(segments) on disk: one small delta per version plus two checkpoints, nothing that
     # repeats the whole state per version.
-    bound = len(deltas) * 1.2 * files["v00000002.json"] + 2 * files[checkpoints[-1]] + 1000
+    bound = (
+        len(deltas) * 1.2 * files["v00000002.json"]
+        + 2 * files[checkpoints[-1]]
+        + files["c00000001.json"]
+        + 1000
+    )
     assert sum(files.values()) <= bound
 
 
@@ -113,8 +120,9 @@ def test_gc_keep_versions_checkpoints_before_pruning(tmp_path):
     _commit_each(ds, 10)
     report = hsstore.gc(tmp_path / "ds", keep_versions=3, grace_s=0)
     assert report.pruned_manifests == list(range(1, 9))
-    assert _names(tmp_path / "ds") == ["_latest", "c00000009.json", "v00000009.json",
-                                       "v00000010.json", "v00000011.json"]  # fmt: skip
+    assert _names(tmp_path / "ds") == ["_latest", "c00000001.json", "c00000009.json",
+                                       "v00000009.json", "v00000010.json",
+                                       "v00000011.json"]  # fmt: skip
     for version in (9, 10, 11):
         assert len(hsstore.open(tmp_path / "ds", version=version)) == version - 1
     assert hsstore.verify(tmp_path / "ds").ok

@@ -45,7 +45,8 @@ def _names(seg: int) -> set[str]:
 def test_a_persistent_eio_costs_exactly_the_samples_of_its_file(tmp_path, file):
     location = str(tmp_path / "ds")
     seg = _build(location, 3).manifest.segments[1]
-    faulty = _eio_on(location, f"{seg.id}/{file}")
+    # The index and its copy (both unreadable: the samples cannot be located at all).
+    faulty = _eio_on(location, f"{seg.id}/{file.replace('.parquet', '')}")
     ds = hsstore.open(faulty)
     if file == "index.parquet":  # no sample of it can be located: the segment is left out
         assert "I/O error" in ds.unreadable[seg.id] and seg.id in ds.unreadable[seg.id]
@@ -103,7 +104,7 @@ def test_a_transient_eio_is_not_damage(tmp_path):
 def test_verify_prints_a_persistent_eio_in_one_line(tmp_path, monkeypatch):
     location = str(tmp_path / "ds")
     seg = _build(location, 2).manifest.segments[0]
-    faulty = _eio_on(location, f"{seg.id}/index.parquet")
+    faulty = _eio_on(location, f"{seg.id}/index")  # the index and its copy
     monkeypatch.setattr(integrity, "open_storage", lambda path: faulty)
     result = CliRunner().invoke(main, ["verify", location])
     assert result.exit_code == 1

@@ -4,6 +4,8 @@ real storage."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -12,6 +14,7 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
 from hsstore.commits import commit
+from hsstore.commits.history import mark_key
 from hsstore.spec import paths
 from hsstore.spec.sealing import seal_document
 from hsstore.storage.locations import open_storage
@@ -41,12 +44,26 @@ def location(request, tmp_path):
     return request.getfixturevalue("s3_url")
 
 
+def _strip_copies(storage, ds: hsstore.Dataset) -> None:
+    """Commit marks as a writer that kept no copy of its version file left them."""
+    for seg in ds.manifest.segments:
+        mark = json.loads(storage.read_bytes(mark_key(seg.id)))
+        del mark["delta"]
+        storage.put(mark_key(seg.id), json.dumps(mark).encode())
+
+
 # -- item 5: deleting the newest version(s) ---------------------------------------------------
+@pytest.mark.parametrize("copies", [True, False], ids=["marks-with-copies", "marks-without"])
 @pytest.mark.parametrize("case", ["with-hint", "hint-behind", "two-newest"])
-def test_a_lost_newest_version_is_refused_kept_by_gc_and_restored_by_repair(location, case):
+def test_a_lost_newest_version_is_refused_kept_by_gc_and_restored_by_repair(location, case, copies):
+    """With the copies commit marks keep, a lost newest version is served rebuilt (saying
+    so) and written back by repair; without them it is refused until repair lists its
+    segments again. Either way writers and gc refuse, and nothing committed is lost."""
     ds = _build(location)
     truth = _samples(ds)
     storage = open_storage(location)
+    if not copies:
+        _strip_copies(storage, ds)
     newest = ds.manifest.version
     lost = [newest, newest - 1] if case == "two-newest" else [newest]
     for v in lost:
@@ -58,8 +75,13 @@ def test_a_lost_newest_version_is_refused_kept_by_gc_and_restored_by_repair(loca
         storage.put(paths.LATEST_HINT, f"{newest - 1}\n".encode())
     lost_segments = [s.id for s in ds.manifest.segments[-len(lost) :]]
 
-    with pytest.raises(hsstore.IntegrityError, match="deleted or rolled back"):
-        hsstore.open(location)
+    if copies:
+        with pytest.warns(hsstore.DamageWarning, match="rebuilt exactly.*hsstore repair"):
+            served = hsstore.open(location)
+        assert _samples(served) == truth and served.manifest.version == newest
+    else:
+        with pytest.raises(hsstore.IntegrityError, match="deleted or rolled back"):
+            hsstore.open(location)
     report = hsstore.verify(location)
     assert not report.ok
     assert any(seg in p.reason for p in report.problems for seg in lost_segments)
@@ -73,10 +95,15 @@ def test_a_lost_newest_version_is_refused_kept_by_gc_and_restored_by_repair(loca
         assert storage.exists(paths.segment_file(seg, paths.INDEX))
 
     fixed = hsstore.repair(location)
-    assert {r["segment"] for r in fixed.repairs if r["action"] == "restored"} == set(lost_segments)
     again = hsstore.open(location)
     assert _samples(again) == truth  # nothing committed was lost
-    assert again.manifest.provenance["repairs"][0]["action"] == "restored"
+    if copies:  # written back byte for byte: no decision to record
+        assert fixed.version is None and fixed.repairs == []
+        assert {storage.path_of(paths.manifest_key(v)) for v in lost} <= set(fixed.files_restored)
+    else:
+        restored = {r["segment"] for r in fixed.repairs if r["action"] == "restored"}
+        assert restored == set(lost_segments)
+        assert again.manifest.provenance["repairs"][0]["action"] == "restored"
     assert hsstore.verify(location).ok
     with again.writer(encode_threads=1) as w:  # commits go on, gc too
         w.add("after", *random_sample(4, len(LAYERS), H, seed=99))
@@ -144,8 +171,12 @@ def test_a_bad_hint_still_lets_a_true_rollback_be_refused(location, damage):
     else:
         assert [p.where for p in report.problems] == [storage.path_of(paths.LATEST_HINT)]
     storage.delete(paths.manifest_key(ds.manifest.version))
+    # The segment's commit mark tells of the lost version: it is served from the mark's copy,
+    # saying so, and no writer builds on the rolled-back listing.
+    with pytest.warns(hsstore.DamageWarning, match="rebuilt exactly"):
+        assert len(hsstore.open(location)) == len(ds)
     with pytest.raises(hsstore.IntegrityError, match="rolled back"):
-        hsstore.open(location)
+        hsstore.open(location).writer()
 
 
 # -- item 7: verify reads below the newest checkpoint with --full ------------------------------

@@ -146,12 +146,21 @@ def test_corrupted_index_file(tmp_path):
     report = hsstore.verify(tmp_path / "ds")
     problems = [p for p in report.problems if str(index) in p.where]
     assert problems and "crc32c" in problems[0].reason
-    assert f"{len(LENGTHS)} samples" in problems[0].reason  # the ids themselves live in that file
-    # The damage stays in that segment: the dataset opens without it and names it.
+    assert "its copy is intact" in problems[0].reason and not report.bad_samples
+    # The index's copy still locates every sample: the dataset opens whole.
     opened = hsstore.open(tmp_path / "ds")
+    assert len(opened) == len(LENGTHS) and not opened.unreadable
+    assert not report.unreadable_segments
+    # Without the copy the damage stays in that segment: the dataset opens without it.
+    index.with_name("index-copy.parquet").unlink()
+    with pytest.warns(hsstore.DamageWarning, match=f"{len(LENGTHS)} of the {len(LENGTHS)}"):
+        opened = hsstore.open(tmp_path / "ds")
     seg = ds.manifest.segments[0].id
     assert len(opened) == 0 and "index.parquet" in opened.unreadable[seg]
+    report = hsstore.verify(tmp_path / "ds")
     assert seg in report.unreadable_segments
+    problems = [p for p in report.problems if str(index) in p.where]
+    assert f"{len(LENGTHS)} samples" in problems[0].reason  # the ids themselves live in that file
 
 
 def _latest_manifest(path: Path) -> Path:
@@ -162,8 +171,11 @@ def test_corrupted_manifest_json(tmp_path):
     _build(tmp_path / "ds", "none")
     man = _latest_manifest(tmp_path / "ds")
     man.write_bytes(man.read_bytes()[:-20])
+    # Served from the copy its segments' commit marks keep, saying so; writers refuse.
+    with pytest.warns(hsstore.DamageWarning, match="not valid JSON"):
+        assert len(hsstore.open(tmp_path / "ds")) == len(LENGTHS)
     with pytest.raises(hsstore.FormatError, match="not valid JSON") as info:
-        hsstore.open(tmp_path / "ds")
+        hsstore.open(tmp_path / "ds").writer()
     assert str(man) in str(info.value)
     report = hsstore.verify(tmp_path / "ds")
     assert any(p.kind == "manifest" and str(man) in p.where for p in report.problems)

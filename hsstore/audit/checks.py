@@ -34,11 +34,18 @@ def _ids(ids: Sequence[str]) -> str:
     return ", ".join(repr(s) for s in ids[:SHOW]) + more
 
 
-def check_readable(records: list[SampleRecord]) -> CheckResult:
-    """Every sample chosen for reading decodes (corrupt bytes and malformed files fail here)."""
+def check_readable(
+    records: list[SampleRecord], left_out: str | None = None, rebuilt: str | None = None
+) -> CheckResult:
+    """Every sample chosen for reading decodes (corrupt bytes and malformed files fail here),
+    and no committed sample is left out of the view (a segment whose index cannot be read)."""
+    if left_out is not None:
+        return fail("samples_readable", left_out)
     if not records:
         return skip("samples_readable", "no samples to read")
     bad = [r for r in records if r.error is not None]
+    if not bad and rebuilt is not None:
+        return warn("samples_readable", f"all {len(records)} samples read decoded; {rebuilt}")
     if not bad:
         return ok("samples_readable", f"all {len(records)} samples read decoded cleanly")
     first = bad[0]

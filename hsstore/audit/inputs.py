@@ -20,6 +20,7 @@ import torch
 
 from hsstore.commits.runs import completion
 from hsstore.dataset.dataset import Dataset
+from hsstore.dataset.segment_set import left_out_line
 from hsstore.errors import HsstoreError, NotADatasetError
 from hsstore.interop.formats.base import ForeignReader
 from hsstore.segment.stats import LayerStats
@@ -60,6 +61,10 @@ class AuditSource:
     model: dict[str, Any]
     codec: dict[str, Any] | None = None
     extraction: dict[str, Any] | None = None  # what the run records say (hsstore.commits.runs)
+    # Committed samples the view leaves out (one line), and how its version was rebuilt around
+    # lost manifest files (hsstore datasets only).
+    left_out: str | None = None
+    rebuilt: str | None = None
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -103,6 +108,8 @@ class HsstoreSource(AuditSource):
         self.model = man.model.to_json()
         self.codec = man.codec.to_json()
         self.version = man.version
+        self.left_out = left_out_line(ds)
+        self.rebuilt = ds.rebuilt.describe(ds.storage) if ds.rebuilt is not None else None
         done = completion(man.provenance)
         if done.records:
             self.extraction = {"complete": done.complete, "pending": done.pending}

@@ -173,7 +173,7 @@ def run_audit(src: AuditSource, opts: AuditOptions) -> AuditResult:
     lm_results, lm_info = _lm_head_checks(src, got, head)
     vocab = src.model.get("vocab_size") or (lm_info or {}).get("vocab_size")
     results = [
-        checks.check_readable(got.records + token_errors),
+        checks.check_readable(got.records + token_errors, src.left_out, src.rebuilt),
         checks.check_nonfinite(got.layer_summaries, write_stats),
         checks.check_padding_rows(got.layer_summaries, write_stats),
         checks.check_duplicate_layers(got.pairs, src.layers),

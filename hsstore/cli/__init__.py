@@ -7,6 +7,8 @@ Each subcommand lives in its own module and exposes a click command named `comma
 from __future__ import annotations
 
 import importlib
+import warnings
+from typing import Any
 
 import click
 
@@ -40,3 +42,15 @@ def main() -> None:
     """hsstore: LLM hidden states as a first-class dataset."""
     # The command line is a program of hsstore's own: its process settings apply.
     tune_process()
+    warnings.showwarning = _one_line
+
+
+_shown = warnings.showwarning
+
+
+def _one_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """hsstore's warnings on the command line: one line each, without Python's source line."""
+    if category.__module__.startswith("hsstore"):
+        click.echo(f"warning: {message}", err=True)
+    else:
+        _shown(message, category, *args, **kwargs)

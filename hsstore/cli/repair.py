@@ -25,9 +25,12 @@ def command(path: str, workers: int | None, as_json: bool) -> None:
     if as_json:
         emit_json(report.__dict__)
         return
+    for name in report.files_restored:
+        click.echo(f"wrote back {name}")
     if report.version is None:
         hint = " (the version hint was rewritten)" if report.hint_rewritten else ""
-        click.echo(f"nothing to repair in {report.path}{hint}")
+        whole = "made whole" if report.files_restored else "nothing to repair in"
+        click.echo(f"{whole} {report.path}{hint}")
         return
     click.echo(f"published version {report.version} of {report.path}")
     for r in report.repairs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
 import click
 
@@ -84,10 +85,13 @@ def command(path: str, workers: int | None, full: bool, as_json: bool) -> None:
     Of the manifests it reads those that make the latest version (its checkpoint and the
     deltas after it); --full reads the whole history."""
     import hsstore
+    from hsstore.dataset.segment_set import DamageWarning
     from hsstore.errors import HsstoreError, NotADatasetError
 
     try:
-        hsstore.open(path)  # tells "not a dataset" (usage error) from a damaged one
+        with warnings.catch_warnings():  # the report below says what is damaged
+            warnings.simplefilter("ignore", DamageWarning)
+            hsstore.open(path)  # tells "not a dataset" (usage error) from a damaged one
     except NotADatasetError:
         raise
     except HsstoreError:

@@ -305,8 +305,8 @@ def gc(
             storage.delete(paths.manifest_key(v))
             report.pruned_manifests.append(v)
         for c in list_checkpoints(storage):
-            if c < oldest:
-                storage.delete(paths.checkpoint_key(c))
+            if 1 < c < oldest:  # checkpoint 1 stays: the dataset's description, should the
+                storage.delete(paths.checkpoint_key(c))  # kept checkpoint be lost
     return report
 
 

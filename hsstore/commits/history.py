@@ -21,6 +21,7 @@ import xxhash
 from hsstore.errors import FormatError, HsstoreError, IntegrityError, NotADatasetError
 from hsstore.spec import paths
 from hsstore.spec.manifest import Delta, Manifest, SegmentInfo, load_document
+from hsstore.spec.sealing import checksum_matches, seal_document
 from hsstore.storage.store import Storage
 
 # How often an open re-reads the history when a commit mark names a version it has not seen
@@ -74,14 +75,26 @@ def fold(storage: Storage, version: int, checkpoints: list[int]) -> Manifest:
     Checkpoints are redundant (the deltas hold the same facts): one that is damaged or was
     pruned meanwhile is passed over for an older base (verify reports it).
     """
-    bases = [0, *(c for c in checkpoints if c <= version)]
+    # Checkpoint 1 is version 1's copy, for recovery alone (`hsstore.commits.rebuild`): the
+    # version file itself is read, so any edit of it is refused here.
+    bases = [0, *(c for c in checkpoints if 1 < c <= version)]
     deltas: list[Delta] = []
     man: Manifest | None = None
     v = version
     while man is None:
         base = bases.pop()
         while v > base and man is None:
-            doc = read_version(storage, v)
+            try:
+                doc = read_version(storage, v)
+            except NotADatasetError as exc:
+                if v == version:
+                    raise
+                raise IntegrityError(
+                    f"manifest version {v} is missing, though version {version} exists: a file "
+                    f"of the history was deleted (readers serve what survives; `hsstore repair` "
+                    f"writes the history back)",
+                    path=exc.path,
+                ) from None
             if isinstance(doc, Manifest):
                 man = doc
             else:
@@ -278,14 +291,35 @@ def mark_key(segment_id: str) -> str:
 def mark_committed(storage: Storage, published: Manifest, segments: list[SegmentInfo]) -> None:
     """Record in each segment that ``published`` added it (after the publish: positive
     evidence, never written for a version that did not land). The mark holds the segment's
-    manifest entry, so a repair can list it again if that version's file is lost."""
+    manifest entry and a copy of the version's file (``delta``, when it is the one published),
+    so a lost or damaged version file can be rebuilt exactly (`hsstore.commits.rebuild`)."""
+    if not segments:
+        return
+    copy = None
+    with contextlib.suppress(HsstoreError, OSError, ValueError):
+        doc = json.loads(storage.read_bytes(paths.manifest_key(published.version)))
+        if isinstance(doc, dict) and doc.get("checksum") == published.head_checksum:
+            copy = doc
     for seg in segments:
-        doc = {
+        mark = {
             "version": published.version,
             "dataset_id": published.dataset_id,
             "segment": seg.to_json(),
         }
-        storage.put(mark_key(seg.id), json.dumps(doc, sort_keys=True).encode())
+        if copy is not None:
+            mark["delta"] = copy
+        storage.put(mark_key(seg.id), json.dumps(mark, sort_keys=True).encode())
+
+
+def mark_copy(mark: dict) -> bytes | None:
+    """The exact bytes of the version file a commit mark copies, or None when it holds no
+    copy or the copy fails its own checksum (a version file is its canonical JSON, sealed)."""
+    doc = mark.get("delta")
+    if not isinstance(doc, dict) or doc.get("version") != mark.get("version"):
+        return None
+    data = seal_document(doc)
+    stored = doc.get("checksum")
+    return data if isinstance(stored, str) and checksum_matches(data, stored) else None
 
 
 def read_mark(storage: Storage, segment_id: str) -> dict | None:

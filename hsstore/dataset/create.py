@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,7 @@ from hsstore.codec import tiers
 from hsstore.codec.codecs import DEFAULT_CODEC, CodecConfig
 from hsstore.commits import commit
 from hsstore.dataset.dataset import Dataset
-from hsstore.errors import BadInputError, ConflictError
+from hsstore.errors import BadInputError, ConflictError, StorageError
 from hsstore.spec import paths, zarr_meta
 from hsstore.spec.dtypes import DTYPES, columns_for, dtype_name
 from hsstore.spec.layers import MAX_DEPTH, LayerSpec, check_layer_list
@@ -141,6 +142,10 @@ def create(
         if not exist_ok:
             raise ConflictError("a dataset already exists here", path=storage.root)
         return _open_compatible(storage, man)
+    # A second copy of the dataset's description (a checkpoint of version 1), so losing
+    # version 1's file never leaves the layers and layout unknown; redundant, so best effort.
+    with contextlib.suppress(StorageError, OSError):
+        commit.write_checkpoint(storage, man)
     return Dataset(storage)
 
 

@@ -20,6 +20,7 @@ import xxhash
 from hsstore.codec import fp8, tiers
 from hsstore.commits import commit
 from hsstore.commits.lease import DEFAULT_TTL_S
+from hsstore.commits.rebuild import Rebuilt, open_manifest
 from hsstore.cores import default_read_threads
 from hsstore.dataset.joined_index import JoinedIndex
 from hsstore.dataset.sample import Sample
@@ -30,7 +31,7 @@ from hsstore.dataset.sample_checks import (
     raise_as_sample_error,
     token_columns,
 )
-from hsstore.dataset.segment_set import LoadedSegments, load_segments
+from hsstore.dataset.segment_set import LoadedSegments, load_segments, say_what_is_left_out
 from hsstore.dataset.writer import Writer
 from hsstore.errors import (
     BadInputError,
@@ -89,7 +90,13 @@ class Dataset:
         self.verify_reads = verify_reads
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._loaded: LoadedSegments | None = None
-        self._load(manifest or commit.load_manifest(self.storage, version))
+        # How the version was rebuilt when files of its history are lost (None: it was not).
+        self.rebuilt: Rebuilt | None = None
+        if manifest is None:
+            manifest, self.rebuilt = open_manifest(self.storage, version)
+        self._load(manifest)
+        if self.rebuilt is not None or self.unreadable:
+            say_what_is_left_out(self)
 
     def _load(
         self,
@@ -126,9 +133,12 @@ class Dataset:
             if to.version > self.manifest.version:
                 self._load(to)
             return self
-        latest = commit.load_manifest(self.storage)
-        if latest.version != self.manifest.version:
+        latest, rebuilt = open_manifest(self.storage)
+        if latest.version != self.manifest.version or (rebuilt is None) != (self.rebuilt is None):
+            self.rebuilt = rebuilt
             self._load(latest)
+            if rebuilt is not None or self.unreadable:
+                say_what_is_left_out(self)
         return self
 
     # -- pickling: worker processes re-open from the storage (its location, no handles) ------
@@ -470,6 +480,15 @@ class Dataset:
         segments dead (default 60 s, or ``$HSSTORE_LEASE_TTL``).
         """
         self.refresh()
+        if self.rebuilt is not None:  # writers need the history whole
+            try:
+                commit.load_manifest(self.storage)
+            except HsstoreError as exc:
+                raise type(exc)(
+                    f"{exc.message}; writers need the whole history: run `hsstore repair "
+                    f"{self.storage.root}` first",
+                    path=exc.path,
+                ) from None
         return _ViewWriter(
             self,
             segment_bytes=segment_bytes,

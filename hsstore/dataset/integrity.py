@@ -22,8 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from hsstore.commits import commit, history
+from hsstore.commits.rebuild import rebuild
 from hsstore.dataset.sample_pass import sample_pass
-from hsstore.errors import HsstoreError, IntegrityError, NotADatasetError
+from hsstore.errors import HsstoreError, IntegrityError, NotADatasetError, UnsupportedVersionError
 from hsstore.segment.check import check_shard
 from hsstore.segment.reader import SegmentReader
 from hsstore.spec import paths
@@ -192,7 +193,12 @@ def _check_manifests(storage: Storage, report: VerifyReport, *, full: bool) -> M
         problem(storage.root, "not an hsstore dataset (no committed manifest)")
         return None
     for v in sorted(set(range(versions[0], versions[-1] + 1)) - set(versions)):
-        problem(storage.path_of(paths.manifest_key(v)), f"manifest version {v} is missing")
+        where = storage.path_of(paths.manifest_key(v))
+        if v in checkpoints:  # its state is whole in the checkpoint (a repair bridged it)
+            report.notes.append(f"{where}: manifest version {v} is missing; checkpoint {v} "
+                                f"holds its state")  # fmt: skip
+        else:
+            problem(where, f"manifest version {v} is missing")
     hint = history.read_hint(storage)
     if hint.problem is not None:
         problem(storage.path_of(paths.LATEST_HINT), hint.problem)
@@ -208,8 +214,13 @@ def _check_manifests(storage: Storage, report: VerifyReport, *, full: bool) -> M
     try:
         manifest = history.fold(storage, versions[-1], checkpoints)
     except HsstoreError as exc:
-        problem(exc.path or storage.root, exc.message)
-        return None
+        if (exc.path or storage.root) not in {p.where for p in report.problems}:
+            problem(exc.path or storage.root, exc.message)  # (a missing one is reported above)
+        if isinstance(exc, UnsupportedVersionError):
+            return None
+        manifest = _rebuilt(storage, report, problem)
+        if manifest is None:
+            return None
     except OSError as exc:
         problem(storage.root, f"cannot read manifest ({exc.strerror or exc})")
         return None
@@ -234,6 +245,25 @@ def _check_manifests(storage: Storage, report: VerifyReport, *, full: bool) -> M
     elif _written_by_format_1(storage, versions[0]):
         _check_format_1_versions(storage, versions, manifest, problem)
     return manifest
+
+
+def _rebuilt(
+    storage: Storage, report: VerifyReport, problem: Callable[[str, str], None]
+) -> Manifest | None:
+    """The latest version rebuilt around lost or damaged files (each reported), so the
+    segments are still checked; None when it cannot be rebuilt."""
+    try:
+        found = rebuild(storage)
+    except HsstoreError as exc:
+        problem(exc.path or storage.root, exc.message)
+        return None
+    seen = {p.where for p in report.problems}
+    for v, why in sorted(found.unusable.items()):
+        where = storage.path_of(paths.manifest_key(v))
+        if where not in seen and why != "missing":
+            problem(where, why)
+    report.notes.append(found.describe(storage))
+    return found.manifest
 
 
 def _check_format_1_versions(
@@ -349,12 +379,14 @@ def _check_segment_files(
                 )
             continue
         try:
-            reader.read_small(relpath)
+            reader.read_small(relpath, copy=False)  # the file itself, not its copy
             tick(info.size)
         except (HsstoreError, OSError) as exc:
             sample_ids: list[str] = []
             reason = exc.message if isinstance(exc, HsstoreError) else f"cannot read ({exc})"
-            if relpath == paths.INDEX:
+            if relpath == paths.INDEX and index_error is None and _copy_serves(reader):
+                reason += " (its copy is intact: every sample reads; hsstore repair writes it back)"
+            elif relpath == paths.INDEX:
                 index_file_bad = True
                 sample_ids = reader.salvage_sample_ids()
                 reason += (
@@ -381,6 +413,14 @@ def _check_segment_files(
         if isinstance(index_error, HsstoreError)
         else (f"{reader.where(paths.INDEX)}: cannot read ({index_error})")
     )
+
+
+def _copy_serves(reader: SegmentReader) -> bool:
+    try:
+        reader.read_small(paths.INDEX)  # the copy, when the index itself is damaged
+    except (HsstoreError, OSError):
+        return False
+    return True
 
 
 def _row_mapper(

@@ -27,6 +27,12 @@ from typing import Any
 
 from hsstore.commits import commit, history
 from hsstore.commits.lease import LeaseKeeper
+from hsstore.commits.restore import (
+    remove_bridged,
+    restore_history,
+    restore_index_copies,
+    restore_redundancy,
+)
 from hsstore.dataset.integrity import VerifyReport, check_segments
 from hsstore.errors import ConflictError, HsstoreError, NotADatasetError
 from hsstore.segment.reader import SegmentReader
@@ -48,6 +54,8 @@ class RepairReport:
     repairs: list[dict[str, Any]] = field(default_factory=list)
     samples_rewritten: int = 0
     hint_rewritten: bool = False
+    # Files written back from a surviving copy, or to restore a copy (no version needed).
+    files_restored: list[str] = field(default_factory=list)
 
     @property
     def dropped_samples(self) -> list[str]:
@@ -64,8 +72,10 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     versions = commit.list_versions(storage)
     if not versions:
         raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
-    latest = history.fold(storage, versions[-1], commit.list_checkpoints(storage))
-    report = RepairReport(path=storage.root)
+    found, history_done = restore_history(storage)
+    latest = found.manifest
+    report = RepairReport(path=storage.root, files_restored=history_done.files)
+    report.repairs.extend(history_done.repairs)
     restored = _lost_segments(storage, latest, report)
     lost_hint = hint.version is not None and hint.version > latest.version
     replaced = (
@@ -86,20 +96,24 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
         )
     # The state to check: the latest version with the lost segments listed again.
     candidate = replace(latest, segments=latest.segments + tuple(restored))
-    found = VerifyReport(path=storage.root, version=latest.version)
-    check_segments(storage, candidate, found, workers=workers)
-    damaged = _damaged_segments(found)
+    restore_index_copies(storage, candidate, history_done)  # before the check: no loss
+    report.files_restored = history_done.files
+    checked = VerifyReport(path=storage.root, version=latest.version)
+    check_segments(storage, candidate, checked, workers=workers)
+    damaged = _damaged_segments(checked)
     _keep_glitches(storage, candidate, damaged, workers)
-    if hint.problem is not None or lost_hint or replaced:
+    if hint.problem is not None or lost_hint or replaced or hint.version is None:
         # Explicitly decided above: from now on the listing is the truth the hint announces.
         storage.delete(paths.LATEST_HINT)
         storage.put_if_absent(
             paths.LATEST_HINT, history.encode_hint(latest.version, latest.head_checksum)
         )
         report.hint_rewritten = True
-    if not report.repairs and not damaged:
-        return report
-    _publish_repair(storage, candidate, latest, restored, damaged, found, report)
+    final = latest
+    if report.repairs or damaged:
+        final = _publish_repair(storage, candidate, latest, restored, damaged, checked, report)
+        remove_bridged(storage, history_done)
+    restore_redundancy(storage, final, found.added_by, history_done)
     return report
 
 
@@ -172,7 +186,8 @@ def _publish_repair(
     damaged: dict[str, list[tuple[str, str]]],
     found: VerifyReport,
     report: RepairReport,
-) -> None:
+) -> Manifest:
+    """Publish the repair's version; returns it."""
     from hsstore.dataset.dataset import Dataset
 
     keep = replace(candidate, segments=tuple(s for s in candidate.segments if s.id in damaged))
@@ -232,6 +247,7 @@ def _publish_repair(
         for seg_id in removed | (restored_ids & set(damaged)):
             storage.delete(history.mark_key(seg_id))  # decided: recorded in provenance
         report.version = published.version
+        return published
     finally:
         for seg in new:
             with contextlib.suppress(HsstoreError, OSError):

@@ -3,8 +3,12 @@ the segments left out because their index is damaged."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow as pa
 
@@ -94,3 +98,61 @@ def file_intact(reader: SegmentReader, relpath: str) -> bool:
     except (HsstoreError, OSError):
         return False
     return True
+
+
+class DamageWarning(UserWarning):
+    """A view of a dataset leaves committed samples out (a segment whose index cannot be read),
+    or was rebuilt around lost or damaged manifest files: `hsstore repair` makes it whole."""
+
+
+logger = logging.getLogger("hsstore")
+logger.addHandler(logging.NullHandler())  # a library's records go where the application says
+
+# What this process has already said, so a view reopened (a refresh, a loader's worker) does
+# not repeat it.
+_said: set[tuple[Any, ...]] = set()
+_said_lock = threading.Lock()
+
+
+def left_out_line(ds: Any) -> str | None:
+    """One line on the committed samples a view leaves out (segments whose index cannot be
+    read): how many, the files, and what to do; None when it leaves none out."""
+    if not ds.unreadable:
+        return None
+    segments = [s for s in ds.manifest.segments if s.id in ds.unreadable]
+    samples = sum(s.num_samples for s in segments)
+    reasons = [ds.unreadable[s.id] for s in segments]
+    which = (
+        f"1 segment's index cannot be read ({reasons[0]})"
+        if len(segments) == 1
+        else f"{len(segments)} segments' indexes cannot be read ({reasons[0]}; also "
+        + ", ".join(
+            ds.storage.path_of(paths.segment_file(s.id, paths.INDEX)) for s in segments[1:4]
+        )
+        + (" ..." if len(segments) > 4 else "")
+        + ")"
+    )
+    return (
+        f"{samples} of the {ds.manifest.num_samples} committed samples of {ds.storage.root} "
+        f"(version {ds.manifest.version}) are left out: {which}; run `hsstore repair "
+        f"{ds.storage.root}` to keep every sample that still reads"
+    )
+
+
+def say_what_is_left_out(ds: Any) -> None:
+    """Warn (a `DamageWarning` and a log record) that a view leaves committed samples out or
+    was rebuilt around lost manifest files, once per process for the same damage."""
+    lines = []
+    if ds.rebuilt is not None:
+        lines.append(ds.rebuilt.describe(ds.storage))
+    left_out = left_out_line(ds)
+    if left_out is not None:
+        lines.append(left_out)
+    key = (ds.storage.root, ds.manifest.version, tuple(sorted(ds.unreadable)), bool(ds.rebuilt))
+    with _said_lock:
+        if not lines or key in _said:
+            return
+        _said.add(key)
+    for line in lines:
+        logger.warning(line)
+        warnings.warn(line, DamageWarning, stacklevel=4)

@@ -23,7 +23,7 @@ from hsstore.codec.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
 from hsstore.segment.rows import RowsRead, ShardRun, read_raw_rows
 from hsstore.spec import paths
-from hsstore.spec.manifest import Manifest, SegmentInfo
+from hsstore.spec.manifest import FileInfo, Manifest, SegmentInfo
 from hsstore.spec.sample_index import INDEX_SCHEMA
 from hsstore.spec.segment_layout import CRC_BYTES, ShardIndex, decode_column
 from hsstore.storage.damage import read_io
@@ -95,12 +95,26 @@ class SegmentReader:
     def where(self, relpath: str) -> str:
         return self.storage.path_of(self.key(relpath))
 
-    def read_small(self, relpath: str) -> bytes:
-        """A small file, checked against the size and crc32c the manifest recorded."""
+    def read_small(self, relpath: str, *, copy: bool = True) -> bytes:
+        """A small file, checked against the size and crc32c the manifest recorded. The index
+        is read from its copy when it is missing or damaged and the copy is intact (``copy``
+        False: the file itself or an error)."""
         expected = self.info.files.get(relpath)
-        where = self.where(relpath)
         if expected is None:
-            raise FormatError("file is not listed in the manifest", path=where)
+            raise FormatError("file is not listed in the manifest", path=self.where(relpath))
+        try:
+            return self._read_checked(relpath, expected)
+        except IntegrityError:
+            if not copy or relpath != paths.INDEX:
+                raise
+            try:
+                return self._read_checked(paths.INDEX_COPY, expected)
+            except (HsstoreError, OSError):
+                pass
+            raise
+
+    def _read_checked(self, relpath: str, expected: FileInfo) -> bytes:
+        where = self.where(relpath)
         try:
             data = read_io(self.storage.read_bytes, self.key(relpath))
         except FileNotFoundError as exc:
@@ -156,12 +170,23 @@ class SegmentReader:
         """The sample ids a damaged index still yields (its sample_id column, if that part
         decodes), so a report can name what the damage affects; [] when nothing is readable."""
         try:
-            data = read_io(self.storage.read_bytes, self.key(paths.INDEX))
+            data = (
+                self.read_small(paths.INDEX)
+                if self._copy_intact()
+                else read_io(self.storage.read_bytes, self.key(paths.INDEX))
+            )
             with pq.ParquetFile(pa.BufferReader(data)) as index_file:
                 column = index_file.read(columns=["sample_id"], use_threads=False)
             return [str(x) for x in column.column("sample_id").to_pylist()]
         except Exception:  # damaged Parquet fails in many ways; salvage is best effort
             return []
+
+    def _copy_intact(self) -> bool:
+        try:
+            self._read_checked(paths.INDEX_COPY, self.info.files[paths.INDEX])
+        except (HsstoreError, OSError, KeyError):
+            return False
+        return True
 
     def stats(self) -> dict:
         return json.loads(self.read_small(paths.STATS))

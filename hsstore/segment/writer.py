@@ -306,7 +306,9 @@ class SegmentWriter:
             self.storage.write_file(paths.segment_file(self.segment_id, relpath), [data])
             self._files[relpath] = FileInfo(len(data), crc32c(data))
             self.bytes_written += len(data)
-        self.storage.sync(paths.segment_file(self.segment_id, rel) for rel in self._files)
+        copy = paths.segment_file(self.segment_id, paths.INDEX_COPY)
+        self.storage.write_file(copy, [small[paths.INDEX]])
+        self.storage.sync([copy, *(paths.segment_file(self.segment_id, r) for r in self._files)])
         return SegmentInfo(
             id=self.segment_id,
             num_samples=len(self._samples),

@@ -12,6 +12,10 @@ SEGMENTS_ZARR_JSON = f"{SEGMENTS}/zarr.json"
 STATES = "states"
 INDEX = "index.parquet"
 STATS = "stats.json"
+# A byte-identical copy of INDEX, written beside it (not named in the manifest entry, so
+# readers that do not know it ignore it): checked against INDEX's size and crc32c, it is read
+# when INDEX is missing or damaged.
+INDEX_COPY = "index-copy.parquet"
 WRITING_LOCK = ".writing"
 # Written into a segment after the version that added it was published: evidence that a
 # committed version existed, should its manifest file be lost (not part of the data).
