@@ -21,6 +21,7 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.commits.history import mark_key
+from hsstore.loader import Loader
 from hsstore.spec import paths
 from tools.synthetic import random_sample
 
@@ -247,3 +248,23 @@ def test_a_lost_checkpoint_of_a_pruned_history(pristine, ds_path):
     assert fixed.repairs == [] and str(ds_path / paths.manifest_key(1)) in fixed.files_restored
     assert hsstore.verify(ds_path).ok and _bits(ds_path) == truth
     assert hsstore.open(ds_path).rebuilt is None
+
+
+def test_the_loader_refuses_a_view_that_leaves_samples_out(pristine, ds_path):
+    """Training must not silently run on part of the data: the Loader refuses, naming the
+    count, the file, `hsstore repair` and the option; with skip_damaged it trains on the rest."""
+    seg = _segments(ds_path)[2]
+    for name in (paths.INDEX, paths.INDEX_COPY):
+        (ds_path / paths.segment_file(seg, name)).unlink()
+    options = {"max_tokens": 256, "shuffle": False, "num_threads": 1}
+    with (
+        pytest.warns(hsstore.DamageWarning),
+        pytest.raises(hsstore.IntegrityError, match="10 of the 60 committed samples") as info,
+    ):
+        Loader(ds_path, **options)
+    assert f"{seg}/index.parquet" in str(info.value) and "hsstore repair" in str(info.value)
+    assert "skip_damaged=True" in str(info.value)
+    loader = Loader(ds_path, skip_damaged=True, **options)
+    assert loader.left_out == 10
+    delivered = sum(len(batch["lengths"]) for batch in loader)
+    assert delivered == 50

@@ -132,6 +132,8 @@ class Dataset:
         if to is not None:
             if to.version > self.manifest.version:
                 self._load(to)
+                if self.unreadable:
+                    say_what_is_left_out(self)
             return self
         latest, rebuilt = open_manifest(self.storage)
         if latest.version != self.manifest.version or (rebuilt is None) != (self.rebuilt is None):

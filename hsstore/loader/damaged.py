@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from hsstore.dataset.segment_set import left_out_line
 from hsstore.errors import IntegrityError
 from hsstore.loader.collate import Placements, RawBatch
 from hsstore.loader.dataset_handle import DatasetSource
@@ -52,6 +53,23 @@ def stopped_by(exc: IntegrityError, path: str | None) -> IntegrityError:
     do about it."""
     return IntegrityError(f"{exc.message}; {stop_hint(path)}", path=exc.path,
                           sample_id=exc.sample_id)  # fmt: skip
+
+
+def refuse_left_out(source: DatasetSource, skip: bool) -> int:
+    """How many committed samples the dataset's view leaves out (segments whose index cannot
+    be read); without ``skip`` any is refused: a run would silently train on part of the data."""
+    ds = source.ds
+    line = left_out_line(ds)
+    if line is None:
+        return 0
+    if not skip:
+        raise IntegrityError(
+            f"{line}, or pass {OPTION} to the Loader (--skip-damaged to the trainer) to train "
+            f"on the other samples",
+            path=ds.path,
+        )
+    log.warning("training on the other samples: %s", line)
+    return sum(s.num_samples for s in ds.manifest.segments if s.id in ds.unreadable)
 
 
 class DamagedSamples:

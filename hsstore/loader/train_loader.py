@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from hsstore.errors import BadInputError, IntegrityError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
-from hsstore.loader.damaged import DamagedSamples, stopped_by
+from hsstore.loader.damaged import DamagedSamples, refuse_left_out, stopped_by
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
 from hsstore.loader.options import LoaderOptions, shows_options
@@ -198,6 +198,10 @@ class Loader(PlannedEpochs):
         # batches it was, and whether it only pads the last round (see tail="pad").
         self.last_batch: tuple[int, int, bool] | None = None
         self.damaged = DamagedSamples()  # found so far (skip_damaged: blanked in batches)
+        # Committed samples the dataset's view leaves out (segments whose index cannot be
+        # read): refused unless skip_damaged, which trains on the rest (docs/LOADER.md).
+        skip = self.options is not None and self.options.skip_damaged
+        self.left_out = refuse_left_out(self.source, skip)
 
     # --- position ------------------------------------------------------------------------
 
