@@ -111,6 +111,19 @@ def open_manifest(storage: Storage, version: int | None = None) -> tuple[Manifes
     return rebuilt.manifest, rebuilt
 
 
+def require_whole(storage: Storage) -> None:
+    """Raise, naming `hsstore repair`, unless the latest version folds from intact files (what
+    a writer needs: a commit on a history with a hole could fill the hole with another file)."""
+    try:
+        load_manifest(storage)
+    except HsstoreError as exc:
+        raise type(exc)(
+            f"{exc.message}; writers need the whole history: run `hsstore repair "
+            f"{storage.root}` first",
+            path=exc.path,
+        ) from None
+
+
 def rebuild(storage: Storage, version: int | None = None) -> Rebuilt:
     """The state at ``version`` (None: the newest one any evidence names: a version file, the
     hint or a commit mark), folded from the newest readable base across every unusable version

@@ -18,9 +18,8 @@ import torch
 import xxhash
 
 from hsstore.codec import fp8, tiers
-from hsstore.commits import commit
 from hsstore.commits.lease import DEFAULT_TTL_S
-from hsstore.commits.rebuild import Rebuilt, open_manifest
+from hsstore.commits.rebuild import Rebuilt, open_manifest, require_whole
 from hsstore.cores import default_read_threads
 from hsstore.dataset.joined_index import JoinedIndex
 from hsstore.dataset.sample import Sample
@@ -90,8 +89,7 @@ class Dataset:
         self.verify_reads = verify_reads
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._loaded: LoadedSegments | None = None
-        # How the version was rebuilt when files of its history are lost (None: it was not).
-        self.rebuilt: Rebuilt | None = None
+        self.rebuilt: Rebuilt | None = None  # how it was rebuilt around lost manifest files
         if manifest is None:
             manifest, self.rebuilt = open_manifest(self.storage, version)
         self._load(manifest)
@@ -482,15 +480,8 @@ class Dataset:
         segments dead (default 60 s, or ``$HSSTORE_LEASE_TTL``).
         """
         self.refresh()
-        if self.rebuilt is not None:  # writers need the history whole
-            try:
-                commit.load_manifest(self.storage)
-            except HsstoreError as exc:
-                raise type(exc)(
-                    f"{exc.message}; writers need the whole history: run `hsstore repair "
-                    f"{self.storage.root}` first",
-                    path=exc.path,
-                ) from None
+        if self.rebuilt is not None:
+            require_whole(self.storage)
         return _ViewWriter(
             self,
             segment_bytes=segment_bytes,
