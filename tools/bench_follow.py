@@ -54,7 +54,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import hsstore  # noqa: E402
+from hsstore.commits import history  # noqa: E402
 from hsstore.demo_model import build_tiny_model  # noqa: E402
+from hsstore.spec import paths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"
@@ -123,10 +125,21 @@ def completed_at(out: Path) -> float:
     return datetime.fromisoformat(at).timestamp()
 
 
+def first_window_at(out: Path, window: int) -> float:
+    """Wall-clock time of the first version holding ``window`` samples (its file's mtime): from
+    then on the follower has the samples its first step waits for."""
+    storage = hsstore.open(out).storage
+    for v in history.list_versions(storage):
+        if history.load_manifest(storage, v).num_samples >= window:
+            return os.stat(storage.path_of(paths.manifest_key(v))).st_mtime
+    return float("nan")
+
+
 def following(
     model: Path, prompts: Path, work: Path, commit_every: int, window: int
-) -> tuple[float, float, float, int]:
-    """(wall time, first step, extraction recorded complete, steps), times from the start."""
+) -> tuple[float, float, float, float, int]:
+    """(wall time, first window committed, first step, extraction recorded complete, steps),
+    times from the start."""
     out = work / "follow"
     t0 = time.time()
     proc = extract(model, prompts, out, commit_every)
@@ -136,7 +149,8 @@ def following(
     finish(proc)
     if not summary["extraction_complete"]:
         raise SystemExit("the following trainer ended before the extraction was complete")
-    return wall, summary["first_batch_time"] - t0, completed_at(out) - t0, summary["steps"]
+    return (wall, first_window_at(out, window) - t0, summary["first_batch_time"] - t0,
+            completed_at(out) - t0, summary["steps"])  # fmt: skip
 
 
 def main() -> None:
@@ -157,7 +171,7 @@ def main() -> None:
                 shutil.rmtree(work / path, ignore_errors=True)
             seq_wall, extracted, startup = sequential(model, prompts, work, args.commit_every)
             seq.append(seq_wall)
-            wall, first_s, done_s, steps = following(
+            wall, window_s, first_s, done_s, steps = following(
                 model, prompts, work, args.commit_every, args.window
             )
             fol.append(wall)
@@ -166,8 +180,9 @@ def main() -> None:
             bounds.append(max(extracted, seq_wall - extracted) / seq_wall)
             print(
                 f"round {r}: sequential {seq_wall:.1f} s (extract {extracted:.1f} s, then train "
-                f"{seq_wall - extracted:.1f} s, its first step after {startup:.1f} s), following {wall:.1f} s (first step after "
-                f"{first_s:.1f} s, extraction complete after {done_s:.1f} s, then "
+                f"{seq_wall - extracted:.1f} s, its first step after {startup:.1f} s), "
+                f"following {wall:.1f} s (first window committed after {window_s:.1f} s, first "
+                f"step after {first_s:.1f} s, extraction complete after {done_s:.1f} s, then "
                 f"{wall - done_s:.1f} s to the trainer's exit, {steps} steps); "
                 f"bound max(E, T) / (E + T) = {bounds[-1]:.2f}",
                 flush=True,
