@@ -9,7 +9,7 @@ lost to another writer, the hint, leases, the segments of other writers read for
 duplicate-id check. After each run the dataset is opened and must hold every sample once.
 
     python tools/bench_commits.py                       # local folder, then S3 (SeaweedFS)
-    python tools/bench_commits.py --commits 50          # longer runs
+    python tools/bench_commits.py --commits 20          # longer runs
     python tools/bench_commits.py --backends local --writers 1 64
     python tools/bench_commits.py --json                # one JSON document instead
 
@@ -194,7 +194,7 @@ def summary(results: list[dict], prefix: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--writers", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--commits", type=int, default=20, help="commits per writer")
+    ap.add_argument("--commits", type=int, default=5, help="commits per writer")
     ap.add_argument("--backends", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     ap.add_argument("--dir", default=None, help="scratch folder for the local datasets")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
