@@ -33,6 +33,12 @@ class NotADatasetError(HsstoreError, FileNotFoundError):
     """The path does not exist, or holds no hsstore dataset (no committed manifest)."""
 
 
+def no_such_path(path: object) -> NotADatasetError:
+    """The error for a path that does not exist, in the one wording every command uses (a
+    dataset, a prompt set, a model folder, a foreign directory alike)."""
+    return NotADatasetError("no such file or directory", path=str(path))
+
+
 class FormatError(HsstoreError):
     """A file does not follow the hsstore format (bad manifest, bad zarr metadata, ...)."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from hsstore.errors import BadInputError
+from hsstore.errors import BadInputError, no_such_path
 
 
 class ModelFolder:
@@ -30,8 +30,10 @@ class ModelFolder:
     def __init__(self, model_dir: str | os.PathLike[str]):
         self.root = Path(model_dir)
         if not self.root.is_dir():
-            raise BadInputError("model directory does not exist", path=str(self.root))
-        self.config = _read_config(self.root)
+            if not self.root.exists():
+                raise no_such_path(self.root)
+            raise BadInputError("not a directory (a model folder is)", path=str(self.root))
+        self.config = read_config(self.root)
         # Multimodal wrappers keep the language model's settings under text_config.
         self.text_config: dict = self.config.get("text_config") or self.config
 
@@ -83,7 +85,8 @@ class ModelFolder:
         return out
 
 
-def _read_config(root: Path) -> dict:
+def read_config(root: Path) -> dict:
+    """The model folder's ``config.json`` as a dict, or BadInputError naming what is wrong."""
     path = root / "config.json"
     if not path.is_file():
         raise BadInputError("no config.json: not a Hugging Face model directory", path=str(root))

@@ -208,4 +208,4 @@ def test_unknown_source_is_a_clear_error(tmp_path):
     r = run(str(tmp_path / "src"), str(tmp_path / "ds"))
     assert r.exit_code == 2 and "cannot tell the format" in r.stderr and "--from" in r.stderr
     r = run(str(tmp_path / "missing"), str(tmp_path / "ds"))
-    assert r.exit_code == 2 and "does not exist" in r.stderr
+    assert r.exit_code == 2 and "no such file or directory" in r.stderr

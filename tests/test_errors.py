@@ -46,7 +46,7 @@ def test_a_missing_dataset_is_not_a_dataset_and_a_missing_file(tmp_path):
         hsstore.open(tmp_path / "empty")
     result = CliRunner().invoke(main, ["verify", str(tmp_path / "missing")])
     assert result.exit_code == 2
-    assert result.output.strip() == f"error: {tmp_path / 'missing'}: no such dataset directory"
+    assert result.output.strip() == f"error: {tmp_path / 'missing'}: no such file or directory"
 
 
 def test_a_convention_error_is_bad_input_and_a_value_error():

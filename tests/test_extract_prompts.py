@@ -118,7 +118,7 @@ def test_txt_and_datasets_dirs(tmp_path):
 
 
 def test_unreadable_inputs_name_the_file(tmp_path):
-    with pytest.raises(BadInputError, match="not found") as exc:
+    with pytest.raises(FileNotFoundError, match="no such file or directory") as exc:
         list(read_prompts(tmp_path / "missing.jsonl"))
     assert "missing.jsonl" in str(exc.value)
     bad = tmp_path / "p.csv"

@@ -64,8 +64,8 @@ def test_text_summary_names_skips(tiny, tmp_path):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"--data": "missing.jsonl"}, "missing.jsonl: prompt set not found"),
-        ({"--model": "no-such-model"}, "no-such-model: model directory not found"),
+        ({"--data": "missing.jsonl"}, "missing.jsonl: no such file or directory"),
+        ({"--model": "no-such-model"}, "no-such-model: no such file or directory"),
         ({"--layers": "2,banana"}, "'banana' is not a layer"),
         ({"--layers": "9"}, "outside 0..4"),
         ({"--shard": "2/2"}, "need 0 <= i < N"),
@@ -87,12 +87,18 @@ def test_bad_arguments_exit_2_with_one_line(tiny, prompts, tmp_path, change, mat
     assert not (tmp_path / "ds").exists()
 
 
-def test_no_usable_rows_is_an_error(tiny, tmp_path):
+@pytest.mark.parametrize("folder_was_there", [False, True])
+def test_no_usable_rows_is_an_error_that_leaves_nothing_behind(tiny, tmp_path, folder_was_there):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"messages": []}\nnot json\n{"text": ""}\n')
-    result = extract("--model", str(tiny), "--data", str(data), "--out", str(tmp_path / "ds"))
+    out = tmp_path / "ds"
+    if folder_was_there:
+        out.mkdir()
+    result = extract("--model", str(tiny), "--data", str(data), "--out", str(out))
     assert result.exit_code == 2
     assert "bad.jsonl" in result.output and "no usable rows" in result.output
+    # no empty dataset: the folder is gone, or left as it was (empty)
+    assert (list(out.iterdir()) == []) if folder_was_there else not out.exists()
 
 
 def test_mismatched_existing_dataset_is_refused_and_kept(tiny, prompts, tmp_path):

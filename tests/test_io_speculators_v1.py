@@ -108,7 +108,7 @@ def test_detect_format(tmp_path):
     empty.mkdir()
     with pytest.raises(BadInputError, match="cannot tell the format"):
         detect_format(empty)
-    with pytest.raises(BadInputError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
         detect_format(tmp_path / "nope")
 
 

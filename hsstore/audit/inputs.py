@@ -21,11 +21,11 @@ import torch
 from hsstore.commits.runs import completion
 from hsstore.dataset.dataset import Dataset
 from hsstore.dataset.segment_set import left_out_line
-from hsstore.errors import HsstoreError, NotADatasetError
+from hsstore.errors import HsstoreError, NotADatasetError, no_such_path
 from hsstore.interop.formats.base import ForeignReader
 from hsstore.segment.stats import LayerStats
 from hsstore.spec.layers import LayerSpec
-from hsstore.storage.locations import is_url
+from hsstore.storage.locations import datasets_below, is_url
 
 
 @dataclass
@@ -189,11 +189,12 @@ def open_audit_source(
         return HsstoreSource(hsstore.open(path))
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(2, "no such file or directory", str(p))
+        raise no_such_path(p)
     try:
         return HsstoreSource(hsstore.open(p))
     except NotADatasetError:
-        pass
+        if datasets_below(p):  # the folder around a dataset, not a foreign directory
+            raise
     try:
         fmt = detect_format(p)
     except HsstoreError:

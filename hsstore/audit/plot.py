@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from hsstore.audit.run import AuditResult
-from hsstore.errors import BadInputError
+from hsstore.errors import MissingExtraError
 
 
 def _magnitude_hist(read: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -32,8 +32,9 @@ def save_plot(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BadInputError(
-            "--plot needs matplotlib (pip install 'hsstore[plot]')", path=str(path)
+        raise MissingExtraError(
+            "--plot needs matplotlib, which is not installed: pip install 'hsstore[plot]' "
+            f"(the report is complete; {path} was not written)"
         ) from None
     fig, (ax_mag, ax_len) = plt.subplots(1, 2, figsize=(12, 4.5))
     for entry in result.layers:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from hsstore.errors import HsstoreError
+from hsstore.errors import HsstoreError, NotADatasetError
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1  # the command ran and found a problem in the data
@@ -27,7 +27,7 @@ def handle_errors(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except HsstoreError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {exc}{_dataset_below(exc)}", err=True)
             sys.exit(EXIT_USAGE)
         except OSError as exc:
             name = f"{exc.filename}: " if exc.filename else ""
@@ -35,6 +35,17 @@ def handle_errors(func: F) -> F:
             sys.exit(EXIT_USAGE)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _dataset_below(exc: HsstoreError) -> str:
+    """Where the dataset is, when the folder around it was named instead."""
+    from hsstore.storage.locations import datasets_below
+
+    below = datasets_below(exc.path) if isinstance(exc, NotADatasetError) and exc.path else []
+    if not below:
+        return ""
+    more = f" (and {len(below) - 1} more below {exc.path})" if len(below) > 1 else ""
+    return f"; the dataset is at {below[0]}{more}: name that folder instead"
 
 
 def emit_json(obj: Any) -> None:

@@ -100,15 +100,6 @@ def command(
                         lm_head_tokens=lm_head_tokens)  # fmt: skip
     result = run_audit(src, opts)
     lossy = source_report(src, reference, opts)
-    if plot:
-        import numpy as np
-
-        from hsstore.audit.plot import save_plot
-
-        lengths = src.lengths()
-        if lengths is None:
-            lengths = np.array(result.read_lengths)
-        save_plot(result, lengths, plot)
     if as_json:
         emit_json(to_json(result) | ({} if lossy is None else {"lossy": lossy}))
     else:
@@ -117,4 +108,13 @@ def command(
 
         if lossy is not None and lossy_text(lossy):
             click.echo("\n".join(lossy_text(lossy)))
+    if plot:  # after the report, which a plot that cannot be drawn leaves whole
+        import numpy as np
+
+        from hsstore.audit.plot import save_plot
+
+        lengths = src.lengths()
+        if lengths is None:
+            lengths = np.array(result.read_lengths)
+        save_plot(result, lengths, plot)
     sys.exit(EXIT_CHECK_FAILED if result.verdict is Verdict.FAIL else EXIT_OK)

@@ -454,4 +454,6 @@ def gc(
     grace_s: float = 60.0,
 ) -> commit.GcReport:
     """Remove debris left by crashed writers (never anything a committed version references)."""
-    return commit.gc(open_storage(path), keep_versions=keep_versions, grace_s=grace_s)
+    storage = open_storage(path)
+    storage.check_root()  # a missing path is said as everywhere else
+    return commit.gc(storage, keep_versions=keep_versions, grace_s=grace_s)

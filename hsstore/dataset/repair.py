@@ -66,6 +66,7 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     """Make the latest version fully readable again (see the module docstring); returns what
     was decided. Raises when the history itself cannot be read (nothing is changed then)."""
     storage = open_storage(path)
+    storage.check_root()  # a missing path is said as everywhere else
     # The hint before the listing: a hint is written after its version, so a writer that
     # publishes meanwhile can never make its version look announced but lost.
     hint = history.read_hint(storage)

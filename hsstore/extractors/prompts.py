@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsstore.errors import BadInputError
+from hsstore.errors import BadInputError, no_such_path
 
 # ShareGPT speaker names -> chat roles. Anything else makes the row unusable (counted), because
 # guessing a role would silently change which tokens get loss.
@@ -89,7 +89,7 @@ def read_prompts(path: str | Path) -> Iterator[Prompt | SkippedRow]:
     """Yield every row of a prompt set, in file order, as a Prompt or a SkippedRow."""
     p = Path(path)
     if not p.exists():
-        raise BadInputError("prompt set not found", path=str(p))
+        raise no_such_path(p)
     if p.is_dir():
         yield from _read_dir(p)
     elif p.suffix == ".txt":

@@ -11,6 +11,7 @@ is usable, and a crash loses only uncommitted work, at any moment.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 from hsstore.commits.runs import input_identity, run_record
 from hsstore.cores import usable_cores
-from hsstore.errors import BadInputError, ConflictError, HsstoreError
+from hsstore.errors import BadInputError, ConflictError, HsstoreError, no_such_path
 from hsstore.extractors.backends.sglang.models import refuse_wrong_capture
 from hsstore.extractors.batching import parse_shard
 from hsstore.extractors.extra import require_extract_extra
@@ -104,7 +105,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     except ValueError as exc:
         raise BadInputError(str(exc)) from None
     if not os.path.exists(opts.data):
-        raise BadInputError("prompt set not found", path=opts.data)
+        raise no_such_path(opts.data)
     full_config = _load_config(opts.model, opts.trust_remote_code)
     if opts.backend == "sglang":
         refuse_wrong_capture(full_config, opts.model)
@@ -123,7 +124,8 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     dtype = _store_dtype(opts, config)
     tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     device = _device(opts.device)
-    _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
+    folder_was_there = os.path.exists(opts.out)
+    created = _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
     # (it holds a lease on it) nor anything committed, so this is safe next to other nodes.
     import hsstore
@@ -148,6 +150,8 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     # a shard of a tiny input may own no rows at all; a shard whose rows were all bad may not
     if nothing and (shards == 1 or summary["skipped_total"] > 0):
         reasons = "; ".join(f"{n} x {r}" for r, n in sorted(summary["skipped"].items()))
+        if created and shards == 1:  # no other node writes to it: leave nothing behind
+            _remove_empty(opts.out, folder_was_there)
         raise BadInputError(f"no usable rows for this run ({reasons or 'no rows'})", path=opts.data)
     done = summary["samples_written"] + summary["samples_already_present"]
     _record_run(opts.out, run_record("finished", job, shard_i, shards, samples=done))
@@ -207,10 +211,14 @@ def _load_config(model: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     from hsstore.extractors.worker import remote_code_hint
+    from hsstore.model_folder import read_config
 
+    folder = os.path.expanduser(model)
     looks_local = model.startswith(("/", "./", "../", "~")) or os.path.isabs(model)
-    if looks_local and not os.path.isdir(os.path.expanduser(model)):
-        raise BadInputError("model directory not found", path=model)
+    if looks_local and not os.path.isdir(folder):
+        raise no_such_path(model)
+    if os.path.isdir(folder):  # a local folder: its config.json named if it lacks one
+        read_config(Path(folder))
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -250,8 +258,8 @@ def _store_dtype(opts: ExtractOptions, config: Any) -> str:
 
 def _ensure_dataset(
     opts: ExtractOptions, config: Any, tokenizer: Any, layers: list[LayerSpec], h: int, dtype: str
-) -> None:
-    """Open a compatible dataset at ``--out`` or create it; refuse a mismatching one."""
+) -> bool:
+    """Open a compatible dataset at ``--out`` or create it (True); refuse a mismatching one."""
     import hashlib
 
     import hsstore
@@ -291,7 +299,7 @@ def _ensure_dataset(
             )
         except ConflictError as exc:
             raise BadInputError(f"{exc.message}; use another --out", path=opts.out) from None
-        return
+        return True
     from hsstore.codec import tiers
 
     tier = tiers.checked(opts.tier)
@@ -303,6 +311,26 @@ def _ensure_dataset(
         num_hidden_layers=int(config.num_hidden_layers),
         path=opts.out,
     )
+    return False
+
+
+def _remove_empty(out: str, folder_was_there: bool) -> None:
+    """Remove the dataset this run created at ``out`` if it holds no sample (its versions only
+    record the run and its skipped rows), and the folder too if the run made it."""
+    import hsstore
+    from hsstore.spec import paths
+    from hsstore.storage.locations import is_url, open_storage
+    from hsstore.storage.store import CLOCK_PREFIX
+
+    if len(hsstore.open(out)) > 0:
+        return
+    storage = open_storage(out)
+    for prefix in (paths.SEGMENTS, paths.MANIFESTS, CLOCK_PREFIX):
+        storage.delete_tree(prefix)
+    storage.delete(paths.ROOT_ZARR_JSON)
+    if not is_url(out) and not folder_was_there:
+        with contextlib.suppress(OSError):  # only if empty: nothing but what the run wrote
+            os.rmdir(out)
 
 
 def _device(name: str) -> str:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from hsstore.errors import FormatError, NotADatasetError
+from hsstore.errors import FormatError, NotADatasetError, no_such_path
 from hsstore.storage import read_ahead
 from hsstore.storage._pread_many import pread_spans
 from hsstore.storage.store import TEMP_PREFIX, ObjectInfo, Storage, holds
@@ -235,8 +235,9 @@ class LocalStorage(Storage):
 
     def check_root(self) -> None:
         if not os.path.isdir(self.root):
-            what = "not a directory" if os.path.exists(self.root) else "no such dataset directory"
-            raise NotADatasetError(what, path=self.root)
+            if not os.path.exists(self.root):
+                raise no_such_path(self.root)
+            raise NotADatasetError("not a directory", path=self.root)
 
     def stat(self, key: str) -> ObjectInfo:
         st = os.stat(self._abs(key))

@@ -63,6 +63,16 @@ def nesting_problem(storage: Storage) -> str | None:
     return None
 
 
+def datasets_below(location: str | os.PathLike[str]) -> list[str]:
+    """The folders right below a local directory that hold a dataset's versions: where the
+    dataset is when the folder around it is named instead (`hsstore demo OUT` makes
+    OUT/dataset)."""
+    if is_url(location) or not os.path.isdir(location):
+        return []
+    found = [p for p in Path(location).iterdir() if p.is_dir() and not p.is_symlink()]
+    return sorted(str(p) for p in found if _holds_versions(LocalStorage(p)))
+
+
 def _holds_versions(storage: Storage) -> bool:
     return any(paths.manifest_version(n) is not None for n in storage.list(paths.MANIFESTS))
 

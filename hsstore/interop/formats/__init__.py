@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hsstore.errors import BadInputError, HsstoreError
+from hsstore.errors import BadInputError, HsstoreError, no_such_path
 from hsstore.interop.formats import specforge, speculators_arrow, speculators_v1
 from hsstore.interop.formats.base import (
     ForeignFormat,
@@ -90,7 +90,7 @@ def detect_format(path: str | os.PathLike) -> str:
     """Name the format of a directory: one of ALL_FORMATS, or BadInputError if none fits."""
     p = Path(path)
     if not p.exists():
-        raise BadInputError("does not exist", path=str(p))
+        raise no_such_path(p)
     if not p.is_dir():
         raise BadInputError("not a directory", path=str(p))
     if _is_hsstore(p):

@@ -146,7 +146,10 @@ class FileListReader(ForeignReader):
         why = None  # why no file could tell, named in the error
         for p in self._files:
             try:
-                found = self._shape_of(load_torch_file(p))
+                obj = load_torch_file(p)
+                found = self._shape_of(obj)
+                if found is None:  # the keys it lacks, if that is why
+                    require_keys(obj, self._keys, str(p))
             except BadInputError as exc:
                 why = why or f"; {exc}"
                 continue
@@ -160,6 +163,7 @@ class FileListReader(ForeignReader):
         )
 
     _file_kind = "data file"
+    _keys: tuple[str, ...] = ()  # what every sample file holds
 
     @staticmethod
     @abstractmethod

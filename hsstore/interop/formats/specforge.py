@@ -64,6 +64,7 @@ class SpecForgeReader(FileListReader):
     """Reads a SpecForge offline directory; see the module docstring."""
 
     format = FORMAT
+    _keys = KEYS
 
     def _open(self, layer_ids: Sequence[int] | None, num_hidden_layers: int | None) -> None:
         self._files = list_data_files(self.path)
@@ -108,7 +109,7 @@ class SpecForgeReader(FileListReader):
 
     def read(self, i: int) -> ForeignSample:
         p = self._files[i]
-        where, obj = self._load(i, KEYS)
+        where, obj = self._load(i, self._keys)
         input_ids, loss_mask = check_tokens(
             obj["input_ids"], obj["loss_mask"], where, strict_dtype=False
         )

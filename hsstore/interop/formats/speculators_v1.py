@@ -97,6 +97,7 @@ class SpeculatorsV1Reader(FileListReader):
     """Reads a speculators v1 directory; see the module docstring for the layout."""
 
     format = FORMAT
+    _keys = KEYS
 
     def _open(self, layer_ids: Sequence[int] | None, num_hidden_layers: int | None) -> None:
         self._files = list_data_files(self.path)
@@ -217,7 +218,7 @@ class SpeculatorsV1Reader(FileListReader):
 
     def read(self, i: int) -> ForeignSample:
         p = self._files[i]
-        where, obj = self._load(i, KEYS)
+        where, obj = self._load(i, self._keys)
         input_ids, loss_mask = check_tokens(obj["input_ids"], obj["loss_mask"], where)
         t = len(input_ids)
         hs = obj["hidden_states"]
