@@ -93,8 +93,9 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=400_000)
     parser.add_argument("--commits", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="2,000 and 40,000 samples")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="keep the datasets here (reused when they hold the same samples)")  # fmt: skip
+    parser.add_argument(
+        "--work", type=Path, default=None, help="keep the datasets here, for the next run"
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
