@@ -275,6 +275,7 @@ def test_a_damaged_sample_stops_the_run_unless_skip_damaged_says_go_on(tiny, tmp
     summary = json.loads(went_on.stdout.strip().splitlines()[-1])
     skipped = summary["skipped_samples"]
     assert named.group(1) in skipped and len(skipped) < 12
+    assert summary["left_out_samples"] == 0  # damaged states, not a lost index
     for sid in skipped:  # each named on stderr
         assert any(repr(sid) in line and "damaged" in line for line in went_on.stderr.splitlines())
     clean_args = base_args({**tiny, "data": clean}, tmp_path / "clean-run", 12, "--epochs", "1")

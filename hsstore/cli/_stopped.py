@@ -23,6 +23,7 @@ import click
 
 from hsstore.cli._common import EXIT_USAGE, F
 from hsstore.errors import StorageError
+from hsstore.storage.object_store import UNREACHABLE
 
 RESUME = "rerun the same command to resume"
 
@@ -35,11 +36,14 @@ def _terminate(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
-def kept(dest: str) -> str:
-    """What of ``dest`` is kept: the samples committed there (counted when it opens)."""
+def kept(dest: str, count: bool = True) -> str:
+    """What of ``dest`` is kept: the samples committed there (counted when it opens, unless
+    ``count`` is off: a store that cannot be reached would take its retries again)."""
     import hsstore
     from hsstore.errors import NotADatasetError
 
+    if not count:
+        return f"the samples committed to {dest} before it are kept"
     try:
         count = len(hsstore.open(dest))
     except NotADatasetError:  # an export writes files, each whole once it is there
@@ -76,8 +80,8 @@ def resumable(dest_of: Callable[[dict[str, Any]], str]) -> Callable[[F], F]:
                            f"space, then {RESUME}", err=True)  # fmt: skip
                 sys.exit(EXIT_USAGE)
             except StorageError as exc:
-                click.echo(f"error: {exc}; {kept(dest)}; {RESUME} once the storage answers",
-                           err=True)  # fmt: skip
+                what = kept(dest, count=UNREACHABLE not in exc.message)
+                click.echo(f"error: {exc}; {what}; {RESUME} once the storage answers", err=True)
                 sys.exit(EXIT_USAGE)
             finally:
                 if previous is not None:

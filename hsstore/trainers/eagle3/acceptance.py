@@ -144,13 +144,15 @@ def predict_acceptance(
     max_tokens: int = 4096,
     device: torch.device | str = "cpu",
     max_new_tokens: int | None = None,
+    skip_damaged: bool = False,
 ) -> AcceptanceCounts:
     """Replay the engine's walk (see the module docstring) over the samples of ``data``.
 
     ``data`` is a dataset path or URL with the layers the drafter was trained on (stored
     positions ``aux_layers``, and the last state when ``head`` is given: a full-vocabulary
     :class:`TargetHead`); read in stored order, the first ``max_samples`` (or more, to the end
-    of a packed batch) or all of them.
+    of a packed batch) or all of them. ``skip_damaged``: the loader's, a damaged sample's
+    loss mask is zero, so it drafts nothing.
     """
     from hsstore.loader import Loader
 
@@ -164,6 +166,7 @@ def predict_acceptance(
         world_size=1,
         prefetch=1,
         num_threads=2,
+        skip_damaged=skip_damaged,
     )
     counts = AcceptanceCounts(k)
     was_training = model.training

@@ -466,6 +466,7 @@ def train(args: argparse.Namespace) -> dict:
         "acceptance": acceptance,
     }
     summary["skipped_samples"] = skipped_on_every_rank(loader.skipped, world)
+    summary["left_out_samples"] = loader.left_out  # the same view on every rank
     if samples_log is not None:
         samples_log.close()
     if world > 1:
@@ -484,7 +485,7 @@ def _predict(args, model, aux_pos, target_tensors, train_head, device) -> dict:
     k = args.eval_draft_tokens or args.ttt_steps
     counts = predict_acceptance(
         model, data, aux_layers=aux_pos, head=head, k=k, max_samples=args.eval_samples,
-        max_tokens=args.max_tokens, device=device,
+        max_tokens=args.max_tokens, device=device, skip_damaged=args.skip_damaged,
     )  # fmt: skip
     rates = " ".join(f"{r:.3f}" for r in counts.rates)
     where = "held-out" if args.eval_data else "training"
