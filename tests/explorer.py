@@ -32,7 +32,6 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.commits import commit
 from hsstore.errors import CommitUnknownError, HsstoreError
 from hsstore.storage.locations import open_storage
 from tests.faults import FaultyStorage, InjectedFault, Tally, seeded
@@ -243,12 +242,16 @@ def run_schedule(location: str, seed: int, results: Results, *, rate: float = 0.
     sch = _Schedule(location, seed, results, rate)
     # Every third schedule gives writers almost no time to learn an unknown outcome, so
     # CommitUnknownError and its resolution by a second commit() are explored too.
-    resolve_s = commit.RESOLVE_TIMEOUT_S
-    commit.RESOLVE_TIMEOUT_S = 0.01 if seed % 3 == 0 else resolve_s
+    resolve_s = os.environ.get("HSSTORE_RESOLVE_TIMEOUT")
+    if seed % 3 == 0:
+        os.environ["HSSTORE_RESOLVE_TIMEOUT"] = "0.01"
     try:
         _run_threads(sch, seed, results)
     finally:
-        commit.RESOLVE_TIMEOUT_S = resolve_s
+        if resolve_s is None:
+            os.environ.pop("HSSTORE_RESOLVE_TIMEOUT", None)
+        else:
+            os.environ["HSSTORE_RESOLVE_TIMEOUT"] = resolve_s
     if sch.hung:
         return
     sch.resolve_unknown()

@@ -101,7 +101,7 @@ def test_a_commit_recognised_after_a_lost_reply_extends_the_hash_chain(location,
 
 
 def test_a_commit_resolved_after_an_outage_extends_the_hash_chain(location, monkeypatch):
-    monkeypatch.setattr(commit, "RESOLVE_TIMEOUT_S", 0.3)
+    monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
     _make(location)
     storage = FaultyStorage(open_storage(location), _Outage(1.5))
     w = hsstore.open(storage).writer(lease_ttl_s=5)

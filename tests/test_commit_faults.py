@@ -19,7 +19,6 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.commits import commit
 from hsstore.errors import CommitUnknownError, HsstoreError, SegmentRemovedError
 from hsstore.spec import paths
 from hsstore.storage.locations import open_storage
@@ -261,7 +260,7 @@ def test_a_commit_whose_reply_was_lost_in_an_outage_reports_it_landed(location):
 def test_an_outage_longer_than_the_resolve_window_is_resolved_by_committing_again(
     location, monkeypatch
 ):
-    monkeypatch.setattr(commit, "RESOLVE_TIMEOUT_S", 0.3)
+    monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
     _make(location)
     storage = _faulty(location, _Outage(1.5))
     w = hsstore.open(storage).writer(lease_ttl_s=5)

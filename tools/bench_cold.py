@@ -44,6 +44,7 @@ import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
 from hsstore.codec.codecs import DEFAULT_CODEC  # noqa: E402
 from hsstore.storage.local_store import LocalStorage  # noqa: E402
+from hsstore.storage.read_ahead import ReadHints  # noqa: E402
 from tools.bench_peers import data_arguments, parse_data_arguments, real, synthetic  # noqa: E402
 from tools.peer_formats import Sample, evict  # noqa: E402
 
@@ -59,14 +60,14 @@ def write(root: Path, samples: list[Sample], codec: str) -> None:
 
 # The cases of a pass: how a read hands its bytes to the storage.
 IN_ORDER, ALL_AT_ONCE, NO_HINTS = "hints", "hints all at once", "no hints"
-READ_HINTS = {IN_ORDER: "in order", ALL_AT_ONCE: "all at once", NO_HINTS: "none"}
+READ_HINTS = {IN_ORDER: ReadHints.IN_ORDER, ALL_AT_ONCE: ReadHints.ALL_AT_ONCE,
+              NO_HINTS: ReadHints.NONE}  # fmt: skip
 
 
 def cold_passes(root: Path, case: str, seed: int) -> tuple[float, float]:
     """GB/s of states of one shuffled pass after one eviction, and of one with an eviction
     before every read."""
-    storage = LocalStorage(root)
-    storage.read_hints = READ_HINTS[case]
+    storage = LocalStorage(root, read_hints=READ_HINTS[case])
     return _cold_passes(storage, root, seed)
 
 

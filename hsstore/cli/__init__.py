@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from hsstore import settings
+from hsstore.cli._common import handle_errors
 from hsstore.tuning import tune_process
 
 _COMMANDS: dict[str, str] = {
@@ -40,9 +42,14 @@ class _LazyGroup(click.Group):
 @click.version_option(package_name="hsstore")
 def main() -> None:
     """hsstore: LLM hidden states as a first-class dataset."""
-    # The command line is a program of hsstore's own: its process settings apply.
-    tune_process()
+    _start()
     warnings.showwarning = _one_line
+
+
+@handle_errors
+def _start() -> None:
+    settings.current()  # a malformed HSSTORE_* variable stops every command here, named
+    tune_process()  # the command line is a program of hsstore's own: its process settings apply
 
 
 _shown = warnings.showwarning

@@ -12,11 +12,11 @@ high bytes of a chunk together, apart from the low bytes.
 - ``split-zstd`` (the default) writes each chunk as one blosc block whose byte streams are
   stored apart ("split" blocks, as blosc itself writes them for lz4): each stream is zstd-coded
   with the least match search zstd offers (the exponent stream is close to order-0 entropy,
-  which Huffman coding captures; the few repeats of 7+ bytes it holds still pay: coded as
-  literals alone, MiniLM's exponents came out 10% larger), and a stream that does not shrink by
-  1/16 (the mantissa noise) is stored raw, which blosc's decoder copies. So decoding is one
-  entropy decode of half the bytes, a copy and an unshuffle: ~1.4x the speed of ``blosc-zstd``,
-  at a slightly better ratio. The frames are ordinary blosc frames: c-blosc (and so
+  which Huffman coding captures; the few repeats of 7+ bytes it holds still pay for their match
+  search), and a stream that does not shrink by 1/16 (the mantissa noise) is stored raw, which
+  blosc's decoder copies. So decoding is one entropy decode of half the bytes, a copy and an
+  unshuffle, where ``blosc-zstd`` entropy-decodes every byte (docs/PERFORMANCE.md has the
+  rates and ratios). The frames are ordinary blosc frames: c-blosc (and so
   zarr-python) decodes them with no knowledge of how they were made (c-blosc 1.x ``blosc.c``,
   ``blosc_d``: a split whose compressed size equals its size is copied, any other is
   zstd-decoded). hsstore decodes the frames of 2-byte values it writes the same way itself
@@ -115,7 +115,7 @@ class CodecConfig:
     clevel: int = 1
     shuffle: str = "shuffle"
     # One blosc block per ~1 MiB chunk: blosc's automatic choice (blocksize 0) picks small
-    # blocks, which both compresses worse (1.26x vs 1.45x on activations) and decodes 4x slower.
+    # blocks, each starting its compressor afresh, so it compresses worse and decodes slower.
     blocksize: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -246,13 +246,13 @@ class ChunkCodec:
         if local.scratch.nbytes < nbytes:
             local.scratch = np.empty(nbytes, np.uint8)
         # The shuffled bytes: byte b of every value, for b = 0 .. k-1 (what blosc's unshuffle
-        # interleaves), in a reused scratch (warm memory is ~2.5x faster than fresh).
+        # interleaves), in a reused scratch: fresh memory would be faulted in on every chunk.
         shuffled = local.scratch[:nbytes]
         m = nbytes // k
         if k in (2, 4, 8) and nbytes % k == 0:
             # Byte b of every value as a shift and a truncating cast of the little-endian
-            # words: ~3x faster than a strided byte copy. Byte 0 is the cast alone (2.3x the
-            # speed of a shift by 0, which numpy computes in the wide type first).
+            # words: contiguous passes numpy vectorizes, where a strided byte copy is not.
+            # Byte 0 is the cast alone: numpy would compute a shift by 0 in the wide type.
             words = np.frombuffer(raw, dtype=f"<u{k}")
             np.copyto(shuffled[:m], words, casting="unsafe")
             for b in range(1, k):
@@ -383,7 +383,7 @@ class _SplitDecoder:
     """Decodes the split-zstd frames of 2-byte values that `ChunkCodec` writes (one block, two
     streams), the way c-blosc does (a stream of the block's half size is raw, any other is one
     zstd frame of exactly that size), but with a zstd context kept per thread: c-blosc makes
-    and frees one per call, about 20 us, which is as long as decoding a 24 KiB chunk. One
+    and frees one per call, which costs as much as decoding a small chunk. One
     compiled call (`decode_split_frame`, without the GIL) reads the frame, decodes its zstd
     streams into this thread's scratch and joins the two byte planes into values in one
     pass, which writes around the caches where asked to (c-blosc's unshuffle always goes
@@ -419,8 +419,8 @@ class _SplitDecoder:
 
 def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bool:
     """Whether zstd is likely to save 1/16 of ``stream``, judged on ~1 KiB spread evenly
-    over it: mantissa noise is skipped for the price of a tiny probe (a full attempt costs
-    ~0.4 s per GB), while a stream holding padding zeros or few distinct values is coded."""
+    over it: mantissa noise is skipped for the price of a tiny probe instead of a full
+    attempt, while a stream holding padding zeros or few distinct values is coded."""
     probe = np.ascontiguousarray(stream[:: max(1, stream.nbytes // _PROBE_BYTES)])
     return len(zstd.compress(probe)) < probe.nbytes - probe.nbytes // 16
 

@@ -12,13 +12,13 @@ readers never look at and `gc` removes.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from hsstore import settings
 from hsstore.commits.history import (  # noqa: F401 - the reading side, re-exported for callers
     announced_version,
     check_no_lost_commits,
@@ -79,11 +79,6 @@ def write_checkpoint(storage: Storage, man: Manifest) -> None:
     storage.put_if_absent(paths.checkpoint_key(man.version), folded.to_bytes())
 
 
-# How long a writer keeps asking, after a request whose outcome it never learned, whether its
-# version was created (HSSTORE_RESOLVE_TIMEOUT overrides it); past that, CommitUnknownError.
-RESOLVE_TIMEOUT_S = float(os.environ.get("HSSTORE_RESOLVE_TIMEOUT", "300"))
-
-
 # After a create that did not win, a writer waits a random share (full jitter) of a window
 # that doubles with each such attempt of one commit, up to RETRY_CAP_S. Racing writers then
 # spread their next attempts over the window instead of all creating the next version at once
@@ -132,7 +127,9 @@ def publish(
     ``condemn``: segments gc removes after this version (gc's own versions).
     """
     latest = base if base is not None else load_manifest(storage)
-    wait = RESOLVE_TIMEOUT_S if resolve_s is None else resolve_s
+    # How long to keep asking, after a request whose outcome was never learned, whether the
+    # version was created (HSSTORE_RESOLVE_TIMEOUT); past that, CommitUnknownError.
+    wait = settings.current().resolve_timeout_s if resolve_s is None else resolve_s
     pending: tuple[int, bytes] | None = None  # a create whose outcome is not known yet
     deadline = 0.0
     losses = 0

@@ -20,13 +20,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from hsstore import settings
 from hsstore.errors import ConflictError, HsstoreError
 from hsstore.spec import paths
 from hsstore.storage.store import ObjectInfo, Storage
 
-# How long a lease outlives its last heartbeat; HSSTORE_LEASE_TTL overrides it for every writer
-# of a process (gc reads each lease's own ttl from the lease, so mixed settings are safe).
-DEFAULT_TTL_S = float(os.environ.get("HSSTORE_LEASE_TTL", "60"))
 # A gap between refreshes this close to the ttl counts as a lapse (clock rates differ a little).
 LAPSE_MARGIN = 0.8
 
@@ -85,9 +83,11 @@ class Lease:
 class LeaseKeeper:
     """The heartbeat: refreshes every held lease each ``ttl/3`` seconds on a daemon thread."""
 
-    def __init__(self, storage: Storage, *, ttl_s: float = DEFAULT_TTL_S):
+    def __init__(self, storage: Storage, *, ttl_s: float | None = None):
         self.storage = storage
-        self.ttl_s = ttl_s
+        # How long a lease outlives its last heartbeat (default: HSSTORE_LEASE_TTL, or 60 s);
+        # gc reads each lease's own ttl from the lease, so mixed settings are safe.
+        self.ttl_s = settings.current().lease_ttl_s if ttl_s is None else ttl_s
         self.owner = uuid.uuid4().hex
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
@@ -159,7 +159,7 @@ class LeaseKeeper:
 
 def lease_is_live(storage: Storage, lease: ObjectInfo, now: float) -> bool:
     """Whether a lease object was refreshed within its ttl (on the storage's clock)."""
-    ttl = DEFAULT_TTL_S
+    ttl = settings.current().lease_ttl_s
     try:
         ttl = float(json.loads(storage.read_bytes(lease.key))["ttl_s"])
     except FileNotFoundError:

@@ -18,7 +18,6 @@ import torch
 import xxhash
 
 from hsstore.codec import fp8, tiers
-from hsstore.commits.lease import DEFAULT_TTL_S
 from hsstore.commits.rebuild import Rebuilt, open_manifest, require_whole
 from hsstore.cores import default_read_threads
 from hsstore.dataset.joined_index import JoinedIndex
@@ -486,7 +485,7 @@ class Dataset:
             self,
             segment_bytes=segment_bytes,
             encode_threads=encode_threads,
-            lease_ttl_s=lease_ttl_s or DEFAULT_TTL_S,
+            lease_ttl_s=lease_ttl_s,
         )
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from hsstore.codec import tiers
 from hsstore.commits import commit, history
-from hsstore.commits.lease import DEFAULT_TTL_S, LeaseKeeper
+from hsstore.commits.lease import LeaseKeeper
 from hsstore.dataset.sample_input import check_names, check_sample, check_scales
 from hsstore.errors import (
     CommitUnknownError,
@@ -54,7 +54,7 @@ class Writer:
         *,
         segment_bytes: int = 2 << 30,
         encode_threads: int | None = None,
-        lease_ttl_s: float = DEFAULT_TTL_S,
+        lease_ttl_s: float | None = None,
     ):
         self.storage = storage
         self.manifest = manifest

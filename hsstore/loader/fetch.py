@@ -25,10 +25,9 @@ by ``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
-a busy machine (a stall of milliseconds inside the hand-off, most of a small model's data
-wait). A used buffer therefore goes back quietly while another decoded
-batch is waiting, and the producer finds it by polling; it is woken only when the queue is
-about to run dry.
+a busy machine, and the consumer then waits inside the hand-off for a batch that is ready. A
+used buffer therefore goes back quietly while another decoded batch is waiting, and the
+producer finds it by polling; it is woken only when the queue is about to run dry.
 """
 
 from __future__ import annotations

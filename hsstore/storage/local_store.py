@@ -24,6 +24,7 @@ from pathlib import Path
 from hsstore.errors import FormatError, NotADatasetError, no_such_path
 from hsstore.storage import read_ahead
 from hsstore.storage._pread_many import pread_spans
+from hsstore.storage.read_ahead import ReadHints
 from hsstore.storage.store import TEMP_PREFIX, ObjectInfo, Storage, holds
 
 # A run of ranges read with one `preadv`: at most this many bytes (then the next run), at
@@ -34,10 +35,9 @@ _MAX_IOV = 1000
 # Where the gaps of a run go: bytes never looked at, so every thread shares it.
 _JUNK = memoryview(bytearray(_GAP_BYTES))
 # A buffer of the reading thread's that a read without ``into`` lands its ranges in, one after
-# another: decoding from a copy that sits in the core's cache runs faster than decoding from a
-# memory map of the page cache, whose pages must be faulted in (and dropped again, or the
-# process's RSS grows with the data read): `tools/bench_loader.py`'s codec-files case
-# measures both.
+# another: a copy that sits in the core's cache decodes without faulting in the pages of a
+# memory map of the page cache (which would also have to be dropped again, or the process's
+# RSS grows with the data read).
 _STAGING = threading.local()
 _STAGING_MIN_BYTES = 64 << 10
 
@@ -45,14 +45,18 @@ _STAGING_MIN_BYTES = 64 << 10
 class LocalStorage(Storage):
     """A dataset in a local directory."""
 
-    # How a read gets bytes not yet in the page cache off the disk: "in order" (each range
-    # asked for a few ahead of its decoding, `ColdRanges`), "all at once" (one hint for the
-    # whole read before its first range) or "none" (the kernel's own readahead around each
-    # read). The last two are there for `tools/bench_cold.py` to compare.
-    read_hints: str = "in order" if read_ahead.SUPPORTED else "none"
-
-    def __init__(self, root: str | os.PathLike[str], *, max_open_files: int = 128):
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_open_files: int = 128,
+        read_hints: ReadHints | None = None,
+    ):
+        """``read_hints``: how reads get bytes off the disk (`ReadHints`; default IN_ORDER
+        where the system supports hints, else NONE)."""
         self.root = str(Path(root).expanduser())
+        supported = ReadHints.IN_ORDER if read_ahead.SUPPORTED else ReadHints.NONE
+        self.read_hints = read_hints or supported
         # key -> [fd, readers using it]. A descriptor evicted while a thread still reads
         # through it is closed by the last user (closing it under a reader could hand its
         # number to another file mid-read).
@@ -137,14 +141,14 @@ class LocalStorage(Storage):
     ) -> read_ahead.ColdRanges | None:
         """The pacing of a read whose bytes are not in the page cache (judged on the ends of
         their span), after asking for its first range; None when there is nothing to do."""
-        if self.read_hints == "none":
+        if self.read_hints is ReadHints.NONE:
             return None
         lo = min(offset for offset, _ in ranges)
         hi = max(offset + nbytes for offset, nbytes in ranges)
         try:
             if hi > os.fstat(fd).st_size or read_ahead.ends_cached(fd, lo, hi - lo):
                 return None  # past the end: the read reports it
-            if self.read_hints == "all at once":
+            if self.read_hints is ReadHints.ALL_AT_ONCE:
                 read_ahead.advise(fd, ranges, unless_resident=False)
                 return None
         except OSError:  # a hint fails nothing: the read that follows reports what is wrong
@@ -215,7 +219,7 @@ class LocalStorage(Storage):
 
     def will_read(self, key: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Start reading the ranges not yet in the page cache from disk now, all at once."""
-        if not ranges or self.read_hints == "none":
+        if not ranges or self.read_hints is ReadHints.NONE:
             return
         fd = self._open_fd(key)
         try:

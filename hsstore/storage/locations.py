@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hsstore import settings
 from hsstore.errors import BadInputError
 from hsstore.spec import paths
 from hsstore.storage.local_store import LocalStorage
@@ -41,7 +42,7 @@ def open_storage(
     if scheme == "file":
         return LocalStorage(local_path_of_file_url(text))
     if scheme in OBJECT_SCHEMES:
-        return ObjectStorage(text, cache_dir=cache_dir or os.environ.get("HSSTORE_CACHE_DIR"))
+        return ObjectStorage(text, cache_dir=cache_dir or settings.current().cache_dir)
     raise BadInputError(
         f"unsupported storage URL scheme {scheme!r} (use s3://, gs://, az://, file:// or a path)",
         path=redacted(text),

@@ -34,6 +34,7 @@ from obstore.exceptions import (
 )
 from obstore.store import ObjectStore, from_url
 
+from hsstore import settings
 from hsstore.errors import StorageError
 from hsstore.storage.store import ObjectInfo, Storage, holds
 from hsstore.storage.store_cache import LocalCache
@@ -57,14 +58,15 @@ BATCH_BYTES = 32 << 20
 
 
 def _retry_config() -> dict[str, object]:
+    config = settings.current()
     return {
-        "max_retries": int(os.environ.get("HSSTORE_STORAGE_RETRIES", "6")),
+        "max_retries": config.storage_retries,
         "backoff": {
             "init_backoff": timedelta(milliseconds=100),
             "max_backoff": timedelta(seconds=5),
             "base": 2,
         },
-        "retry_timeout": timedelta(seconds=float(os.environ.get("HSSTORE_RETRY_TIMEOUT", "60"))),
+        "retry_timeout": timedelta(seconds=config.retry_timeout_s),
     }
 
 
@@ -106,11 +108,20 @@ class ObjectStorage(Storage):
     # obstore runs requests on a tokio runtime whose threads do not survive fork(): a forked
     # child's requests hang (obstore and tokio document fork as unsupported).
     worker_start_method = "spawn"
-    # How many bytes of ranges one `read_ranges` batch fetches at once.
-    batch_bytes = BATCH_BYTES
 
-    def __init__(self, url: str, *, cache_dir: str | None = None, cache_bytes: int | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_dir: str | None = None,
+        cache_bytes: int | None = None,
+        batch_bytes: int = BATCH_BYTES,
+    ):
+        """``cache_dir``, ``cache_bytes``: a local copy of the segment files read (docs/STORAGE.md,
+        "Local cache"). ``batch_bytes``: how many bytes of ranges one `read_ranges` batch
+        fetches with all its requests in flight (more: fewer round trips, more memory)."""
         self.root = url.rstrip("/")
+        self.batch_bytes = batch_bytes
         self._cache_dir = cache_dir
         self._cache_bytes = cache_bytes
         self.service = service_of(self.root)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import errno
 import os
 import platform
@@ -19,6 +20,21 @@ from collections.abc import Callable, Sequence
 
 # Hints need posix_fadvise and non-blocking reads (Linux).
 SUPPORTED = hasattr(os, "posix_fadvise") and hasattr(os, "RWF_NOWAIT")
+
+
+class ReadHints(enum.Enum):
+    """How a local read gets bytes not yet in the page cache off the disk (`LocalStorage`).
+
+    IN_ORDER (the default where hints work): each range is asked for a few ahead of its
+    decoding (`ColdRanges`), so the disk reads exactly what comes next while the CPU decodes.
+    ALL_AT_ONCE: one hint for the whole read before its first range, for devices that serve
+    many requests in flight better than a few. NONE: no hints, the kernel's own readahead
+    around each read (a file system where hints cost more than they bring)."""
+
+    IN_ORDER = "in order"
+    ALL_AT_ONCE = "all at once"
+    NONE = "none"
+
 
 # One readahead hint at most: the kernel reads at most the larger of the device's readahead
 # window and its largest request per hint (1.25-4 MiB on the devices seen here;

@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator
 
 import xxhash
 
+from hsstore import settings
 from hsstore.spec import paths
 from hsstore.storage.local_store import LocalStorage
 from hsstore.storage.store import TEMP_PREFIX
 
-DEFAULT_CACHE_BYTES = 64 << 30
 DIGEST_SUFFIX = ".xxh3"
 
 
@@ -39,8 +39,7 @@ class LocalCache:
         digest = hashlib.sha256(remote_root.encode()).hexdigest()[:16]
         self.folder = os.path.join(os.path.expanduser(cache_dir), digest)
         os.makedirs(self.folder, exist_ok=True)
-        env_bytes = os.environ.get("HSSTORE_CACHE_BYTES")
-        self.max_bytes = max_bytes or (int(env_bytes) if env_bytes else DEFAULT_CACHE_BYTES)
+        self.max_bytes = max_bytes or settings.current().cache_bytes
         self.storage = LocalStorage(self.folder)
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}

@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from hsstore import settings
 from hsstore.errors import BadInputError
 from hsstore.extractors.backends.sglang.capture import SlotReader, make_capture_dir
 from hsstore.extractors.backends.sglang.checks import (
@@ -94,7 +95,6 @@ __all__ = [
 # unless HSSTORE_SGLANG_UNTESTED=1, after validating with --check-against transformers.
 TESTED_SGLANG_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "HSSTORE_SGLANG_UNTESTED"
-CAPTURE_ENV = "HSSTORE_SGLANG_CAPTURE"
 CAPTURE_MODES = ("shm", "lists")
 HOOK_FACTORY = "hsstore.extractors.backends.sglang.hook:capture_hook"
 # The id every capture list starts with: under each rule in the wheel, a list that starts with 1
@@ -222,7 +222,7 @@ def engine_kwargs(
 
 def check_sglang_version(version: str) -> None:
     """Refuse SGLang releases this adapter was not checked against (override: env var)."""
-    if version in TESTED_SGLANG_VERSIONS or os.environ.get(UNTESTED_ENV) == "1":
+    if version in TESTED_SGLANG_VERSIONS or settings.current().sglang_untested:
         return
     raise BadInputError(
         f"SGLang {version} is not a version hsstore's sglang backend was checked against "
@@ -248,7 +248,7 @@ def _default_engine_factory(**kwargs: Any) -> Any:
 
 
 def _capture_mode(capture: str | None) -> str:
-    mode = capture or os.environ.get(CAPTURE_ENV) or "shm"
+    mode = capture or settings.current().sglang_capture or "shm"
     if mode not in CAPTURE_MODES:
         raise BadInputError(
             f"unknown sglang capture {mode!r}; use one of {', '.join(CAPTURE_MODES)}"
