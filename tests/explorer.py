@@ -49,6 +49,8 @@ class Results:
     gc_runs: int = 0
     reads: int = 0
     kills: int = 0
+    damage_schedules: int = 0  # metadata damage schedules (tests.damage_explorer)
+    files_damaged: int = 0
     faults: Tally = field(default_factory=Tally)
     # What must stay zero:
     lost: list[str] = field(default_factory=list)
@@ -57,12 +59,21 @@ class Results:
     damaged: list[str] = field(default_factory=list)
     hangs: list[str] = field(default_factory=list)
     raw: list[str] = field(default_factory=list)
+    locked: list[str] = field(default_factory=list)  # open or repair refused (damage schedules)
 
     @property
     def failures(self) -> int:
         return sum(
             len(x)
-            for x in (self.lost, self.unopenable, self.silent, self.damaged, self.hangs, self.raw)
+            for x in (
+                self.lost,
+                self.unopenable,
+                self.silent,
+                self.damaged,
+                self.hangs,
+                self.raw,
+                self.locked,
+            )  # fmt: skip
         )
 
     def summary(self) -> str:
@@ -74,6 +85,12 @@ class Results:
             f"unknown_resolved={self.commits_unknown} gc_runs={self.gc_runs} reads={self.reads} "
             f"lost={len(self.lost)} unopenable={len(self.unopenable)} silent={len(self.silent)} "
             f"damaged={len(self.damaged)} hangs={len(self.hangs)} raw={len(self.raw)}"
+            + (
+                f" damage_schedules={self.damage_schedules} files_damaged={self.files_damaged} "
+                f"locked={len(self.locked)}"
+                if self.damage_schedules or self.locked
+                else ""
+            )
         )
 
 

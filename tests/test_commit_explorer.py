@@ -1,6 +1,7 @@
 """The seeded explorer of the commit protocol (`tests.explorer`) over fixed seeds: writers, gc
 and readers on threads with faults at random storage calls, writer processes killed with
-SIGKILL, on a local disk, on S3, GCS and Azure Blob. Every check must hold in every schedule:
+SIGKILL, on a local disk, on S3, GCS and Azure Blob; and schedules of metadata damage on a
+local disk (`tests.damage_explorer`). Every check must hold in every schedule:
 nothing reported committed is lost, nothing reported refused is there, the dataset opens and
 verifies, no hang, no error but hsstore's own or the injected fault itself. `tools/soak_commits.py` runs more.
 """
@@ -14,11 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.damage_explorer import explore_damage
 from tests.explorer import explore
 
 # Three hundred schedules (some two thousand faults) keep the suite's share of CI's time small;
 # `tools/soak_commits.py` runs thousands (HSSTORE_EXPLORER_SCHEDULES raises this one).
 LOCAL_SCHEDULES = int(os.environ.get("HSSTORE_EXPLORER_SCHEDULES", "300"))
+DAMAGE_SCHEDULES = int(os.environ.get("HSSTORE_EXPLORER_DAMAGE", "30"))
 
 
 @pytest.fixture
@@ -42,6 +45,7 @@ def _assert_clean(results) -> None:
         + "\n"
         + "\n".join(
             (results.lost + results.unopenable + results.silent + results.damaged)[:10]
+            + results.locked[:10]
             + (results.hangs + results.raw)[:10]
         )
     )
@@ -54,6 +58,17 @@ def test_schedules_on_a_local_filesystem(scratch):
     assert results.schedules == n
     assert sum(results.faults.counts.values()) > 5 * n  # the faults were really injected
     assert results.commits_published and results.commits_refused and results.reads
+
+
+def test_metadata_damage_schedules(scratch):
+    """Metadata files deleted, truncated or flipped, one or several at once (tests.damage_explorer):
+    the damage stays in the samples whose index is gone with its copy; nothing else is lost,
+    nothing locked, nothing silent. `tools/soak_commits.py --damage N` runs more."""
+    n = DAMAGE_SCHEDULES
+    results = explore_damage((os.path.join(scratch, f"m{i}") for i in range(n)), range(n))
+    _assert_clean(results)
+    assert results.damage_schedules >= n * 0.9 and results.files_damaged >= n
+    assert results.reads > 0
 
 
 def test_schedules_with_killed_writer_processes(tmp_path):

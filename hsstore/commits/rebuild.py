@@ -133,15 +133,15 @@ def rebuild(storage: Storage, version: int | None = None) -> Rebuilt:
     versions = sorted(v for v in map(paths.manifest_version, names) if v is not None)
     checkpoints = sorted(v for v in map(paths.checkpoint_version, names) if v is not None)
     hint = read_hint(storage)
+    top = version if version is not None else max([*versions, hint.version or 0])
+    if top < 1:
+        raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
     marks = _read_marks(storage)
     copies: dict[int, bytes] = {}
     for mark in marks.values():
         data = mark_copy(mark)
         if data is not None:
             copies.setdefault(mark["version"], data)
-    top = version if version is not None else max([*versions, hint.version or 0])
-    if top < 1:
-        raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
     out = Rebuilt(manifest=None)  # type: ignore[arg-type]
     items, base = _walk_down(storage, top, set(checkpoints), copies, out)
     if base is None:
@@ -187,7 +187,11 @@ def _walk_down(
                 if v == 1:  # checkpoint 1 is version 1's copy: its very bytes
                     copies.setdefault(1, storage.read_bytes(paths.checkpoint_key(1)))
                 doc = _read(
-                    storage, v, copies, out, note=v == 1 or storage.exists(paths.manifest_key(v))
+                    storage,
+                    v,
+                    copies,
+                    out,
+                    note=v in (1, top) or storage.exists(paths.manifest_key(v)),
                 )
                 checksum = doc.checksum if isinstance(doc, Delta) else None
                 return items, replace(base, head_checksum=checksum)

@@ -19,8 +19,8 @@ from hsstore.commits.commit import list_checkpoints, list_versions, write_checkp
 from hsstore.commits.history import mark_copy, mark_key, read_checkpoint, read_mark, read_version
 from hsstore.commits.rebuild import Rebuilt, rebuild
 from hsstore.errors import HsstoreError, IntegrityError
-from hsstore.spec import paths
-from hsstore.spec.manifest import Delta, FileInfo, Manifest, SegmentInfo
+from hsstore.spec import paths, zarr_meta
+from hsstore.spec.manifest import FORMAT_VERSION, Delta, FileInfo, Manifest, SegmentInfo
 from hsstore.storage.store import Storage
 
 
@@ -115,6 +115,7 @@ def restore_redundancy(
         with contextlib.suppress(HsstoreError):
             _write_checkpoint_again(storage, rebuild(storage, c).manifest)
             done.files.append(storage.path_of(paths.checkpoint_key(c)))
+    _restore_group_documents(storage, done)
     copies: dict[int, dict | None] = {}
     for seg in man.segments:
         if not _restore_index_copy(storage, seg, done):
@@ -132,6 +133,25 @@ def restore_redundancy(
             doc["delta"] = copies[version]
         storage.put(mark_key(seg.id), json.dumps(doc, sort_keys=True).encode())
         done.files.append(storage.path_of(mark_key(seg.id)))
+
+
+def _restore_group_documents(storage: Storage, done: Restored) -> None:
+    """The root's and segments/'s Zarr group documents, written again when not a group's."""
+    for key, attributes in (
+        (paths.ROOT_ZARR_JSON, {"hsstore": {"format_version": FORMAT_VERSION}}),
+        (paths.SEGMENTS_ZARR_JSON, None),
+    ):
+        with contextlib.suppress(HsstoreError, OSError, ValueError):
+            doc = json.loads(storage.read_bytes(key))
+            if isinstance(doc, dict) and (doc.get("zarr_format"), doc.get("node_type")) == (
+                3,
+                "group",
+            ):
+                continue
+        with contextlib.suppress(FileNotFoundError):
+            storage.delete(key)
+        storage.put_if_absent(key, zarr_meta.group_json(attributes))
+        done.files.append(storage.path_of(key))
 
 
 def restore_index_copies(storage: Storage, man: Manifest, done: Restored) -> None:

@@ -328,7 +328,13 @@ def _checkpoint_problem(storage: Storage, version: int, latest: Manifest) -> str
     same_fixed = (folded.dataset_id, folded.layers, folded.layout, folded.hidden_size,
                   folded.dtype, folded.codec) == (latest.dataset_id, latest.layers, latest.layout,
                   latest.hidden_size, latest.dtype, latest.codec)  # fmt: skip
-    if not same_fixed or folded.segments != latest.segments[: len(folded.segments)]:
+    # What a later repair removed (on record) is no longer in the latest version.
+    removed = {r.get("segment") for r in latest.provenance.get("repairs", [])}
+    kept = tuple(s for s in folded.segments if s.id not in removed)
+    if (
+        not same_fixed
+        or kept != tuple(s for s in latest.segments if s.id not in removed)[: len(kept)]
+    ):
         return "checkpoint disagrees with the versions it folds"
     return None
 

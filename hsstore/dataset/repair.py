@@ -34,7 +34,7 @@ from hsstore.commits.restore import (
     restore_redundancy,
 )
 from hsstore.dataset.integrity import VerifyReport, check_segments
-from hsstore.errors import ConflictError, HsstoreError, NotADatasetError
+from hsstore.errors import ConflictError, HsstoreError
 from hsstore.segment.reader import SegmentReader
 from hsstore.segment.writer import SegmentWriter, ShardFlusher
 from hsstore.spec import paths
@@ -70,9 +70,6 @@ def repair(path: str | os.PathLike[str] | Storage, *, workers: int | None = None
     # The hint before the listing: a hint is written after its version, so a writer that
     # publishes meanwhile can never make its version look announced but lost.
     hint = history.read_hint(storage)
-    versions = commit.list_versions(storage)
-    if not versions:
-        raise NotADatasetError("not an hsstore dataset (no committed manifest)", path=storage.root)
     found, history_done = restore_history(storage)
     latest = found.manifest
     report = RepairReport(path=storage.root, files_restored=history_done.files)
