@@ -227,28 +227,37 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
     try:
         data = prompts(BATCH * (batches + 1), vocab)
         _plain_generate(backend.engine, data[:BATCH], "warm")
-        states = backend.run(data[:BATCH])  # first use of the slots: their pages are faulted
-        state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
-        del states
-        backend.capture_stats.clear()
-        procs = _tree()
-        walls, cpus, anons, shared = [], [], [], 0
-        for b in range(1, batches + 1):
-            batch = data[b * BATCH : (b + 1) * BATCH]
-            with PeakMemory(procs, backend.capture_dir) as without:
-                c0, t0 = cpu_s(procs), time.perf_counter()
-                _plain_generate(backend.engine, batch, "nocap")
-                wall, cpu = time.perf_counter() - t0, cpu_s(procs) - c0
-            with PeakMemory(procs, backend.capture_dir) as mem:
-                c0, t0 = cpu_s(procs), time.perf_counter()
-                states = backend.run(batch)
-                walls.append(time.perf_counter() - t0 - wall)
-                cpus.append(cpu_s(procs) - c0 - cpu)
-                del states  # the writer is done with them: their slots are free again
-            anons.append(mem.anon - without.anon)
-            shared = max(shared, mem.shared)
+        return paired_capture(
+            backend, data, batches, lambda batch: _plain_generate(backend.engine, batch, "nocap")
+        )
     finally:
         backend.close()
+
+
+def paired_capture(backend: Any, data: list[Any], batches: int, plain: Any) -> dict[str, Any]:
+    """``batches`` batches of ``data`` (after its first) through ``backend.run``, each paired
+    with ``plain(batch)``, the same prompts under request ids the capture ignores, in the same
+    engine (tools/bench_vllm.py measures its backend the same way)."""
+    states = backend.run(data[:BATCH])  # first use of the slots: their pages are faulted
+    state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
+    del states
+    backend.capture_stats.clear()
+    procs = _tree()
+    walls, cpus, anons, shared = [], [], [], 0
+    for b in range(1, batches + 1):
+        batch = data[b * BATCH : (b + 1) * BATCH]
+        with PeakMemory(procs, backend.capture_dir) as without:
+            c0, t0 = cpu_s(procs), time.perf_counter()
+            plain(batch)
+            wall, cpu = time.perf_counter() - t0, cpu_s(procs) - c0
+        with PeakMemory(procs, backend.capture_dir) as mem:
+            c0, t0 = cpu_s(procs), time.perf_counter()
+            states = backend.run(batch)
+            walls.append(time.perf_counter() - t0 - wall)
+            cpus.append(cpu_s(procs) - c0 - cpu)
+            del states  # the writer is done with them: their slots are free again
+        anons.append(mem.anon - without.anon)
+        shared = max(shared, mem.shared)
     return {
         "tokens": batches * BATCH * TOKENS,
         "wall_diff_s": _median(walls) * batches,
@@ -264,12 +273,15 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
+def phase_extract(
+    model: str, work: str, rows: int, backend: str = "sglang", max_batch_tokens: int = 16384
+) -> dict[str, Any]:
+    """``hsstore extract --backend BACKEND`` on ``rows`` chat prompts cut at TOKENS tokens."""
     from hsstore.extractors.runner import ExtractOptions, run_extract
     from tools.gpu_check_sglang import write_prompts
 
     data = write_prompts(Path(work) / f"p{rows}.jsonl", rows, seed=1)
-    long = Path(work) / f"long{rows}.jsonl"
+    long = Path(work) / f"long{rows}-{backend}.jsonl"
     with long.open("w") as f:  # replies long enough that every prompt is cut at TOKENS
         for line in data.read_text().splitlines():
             row = json.loads(line)
@@ -280,13 +292,14 @@ def phase_extract(model: str, work: str, rows: int) -> dict[str, Any]:
         ExtractOptions(
             model=model,
             data=str(long),
-            out=str(Path(work) / f"ds{rows}"),
-            backend="sglang",
+            out=str(Path(work) / f"ds{rows}-{backend}"),
+            backend=backend,
             device="cpu",
             dtype="bfloat16",
             layers=LAYER_SPEC,
             max_length=TOKENS,
             batch_size=BATCH,
+            max_batch_tokens=max_batch_tokens,
             progress=False,
         )
     )

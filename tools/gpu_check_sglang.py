@@ -277,15 +277,18 @@ def capture_copy_check(device: str = "cuda", rows: int = 4096, hidden: int = 716
     }
 
 
-def check_model(model: str, work: Path, data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The three extractions of one model and the verdict on SGLang's states."""
+def check_model(
+    model: str, work: Path, data: Path, args: argparse.Namespace, backend: str = "sglang"
+) -> dict[str, Any]:
+    """The three extractions of one model and the verdict on the engine's (``backend``'s)
+    states; tools/gpu_check_vllm.py runs it with ``backend="vllm"``."""
     work.mkdir(parents=True, exist_ok=True)
     common = {"layers": args.layers, "batch_size": 8}
     runs = {
         "hf_fp32": extract(model, data, work / "hf_fp32", dtype="float32", **common),
         "hf_bf16": extract(model, data, work / "hf_bf16", dtype="bfloat16", **common),
-        "sglang_bf16": extract(
-            model, data, work / "sg_bf16", backend="sglang", dtype="bfloat16", **common
+        f"{backend}_bf16": extract(
+            model, data, work / "sg_bf16", backend=backend, dtype="bfloat16", **common
         ),
     }
     report: dict[str, Any] = {"model": model}
@@ -298,8 +301,8 @@ def check_model(model: str, work: Path, data: Path, args: argparse.Namespace) ->
     }
     bf16 = compare(work / "hf_fp32", work / "hf_bf16")
     sg = compare(work / "hf_fp32", work / "sg_bf16")
-    report["hf_bf16_vs_fp32"], report["sglang_vs_fp32"] = bf16, sg
-    report["sglang_vs_hf_bf16"] = compare(work / "hf_bf16", work / "sg_bf16")
+    report["hf_bf16_vs_fp32"], report[f"{backend}_vs_fp32"] = bf16, sg
+    report[f"{backend}_vs_hf_bf16"] = compare(work / "hf_bf16", work / "sg_bf16")
     ok = sg["samples"] == args.rows and sg["tokens_and_masks_equal"]
     if ok:
         limits = [args.tolerance_factor * e + 2e-3 for e in bf16["max_rel_err"]]

@@ -37,8 +37,15 @@ def _option_flags(command: Callable) -> Callable:
 
 @click.command("extract")
 @_option_flags
-@click.option("--tp-size", type=int, default=None, help="sglang: tensor parallel size per worker.")
-@click.option("--mem-fraction", type=float, default=None, help="sglang: mem_fraction_static.")
+@click.option(
+    "--tp-size", type=int, default=None, help="sglang, vllm: tensor parallel size per worker."
+)
+@click.option(
+    "--mem-fraction",
+    type=float,
+    default=None,
+    help="sglang: mem_fraction_static; vllm: gpu_memory_utilization.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @handle_errors
 @resumable(lambda given: given["out"])
@@ -50,13 +57,15 @@ def command(tp_size: int | None, mem_fraction: float | None, as_json: bool, **gi
     checked(given.get("tier"))  # an unknown name fails before any model is loaded
 
     backend_options = {}
-    if given["backend"] == "sglang":
+    if given["backend"] in ("sglang", "vllm"):
         if tp_size is not None:
             backend_options["tp_size"] = tp_size
         if mem_fraction is not None:
             backend_options["mem_fraction_static"] = mem_fraction
     elif tp_size is not None or mem_fraction is not None:
-        raise click.UsageError("--tp-size and --mem-fraction apply to --backend sglang only")
+        raise click.UsageError(
+            "--tp-size and --mem-fraction apply to --backend sglang or vllm only"
+        )
     summary = run_extract(ExtractOptions(**given, backend_options=backend_options))
     check = summary.get("check")
     if as_json:

@@ -13,7 +13,7 @@ from typing import Any
 
 from hsstore.codec.codecs import CODEC_NAMES, DEFAULT_CODEC
 
-BACKENDS = ("transformers", "sglang")
+BACKENDS = ("transformers", "sglang", "vllm")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 

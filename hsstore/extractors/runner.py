@@ -30,12 +30,15 @@ from hsstore.extractors.backends.sglang.models import refuse_wrong_capture
 from hsstore.extractors.batching import parse_shard
 from hsstore.extractors.extra import require_extract_extra
 from hsstore.extractors.layer_select import default_layers, parse_layers
-from hsstore.extractors.options import ExtractOptions
+from hsstore.extractors.options import BACKENDS, ExtractOptions
 from hsstore.extractors.process_group import end_group, signal_group, wait_exited
 from hsstore.extractors.progress import Progress
 from hsstore.extractors.worker import WorkerSpec, load_tokenizer, run_worker, worker_process_main
 from hsstore.spec.layers import LayerSpec, layers_option
 
+# Backends whose engine runs in processes of its own: always in a spawned worker, whose process
+# group takes them down with it (closing an SGLang engine kills its process's children).
+ENGINE_BACKENDS = ("sglang", "vllm")
 # how long interrupted workers get to commit what they completed before they are killed
 INTERRUPT_GRACE_S = 60.0
 
@@ -88,8 +91,8 @@ def _check_against(opts: ExtractOptions) -> dict[str, Any]:
 
 def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     for backend in (opts.backend, opts.check_against):
-        if backend is not None and backend not in ("transformers", "sglang"):
-            raise BadInputError(f"unknown backend {backend!r}; use transformers or sglang")
+        if backend is not None and backend not in BACKENDS:
+            raise BadInputError(f"unknown backend {backend!r}; use {', '.join(BACKENDS)}")
     for name, value in (
         ("--workers", opts.workers),
         ("--batch-size", opts.batch_size),
@@ -106,6 +109,13 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         raise BadInputError(str(exc)) from None
     if not os.path.exists(opts.data):
         raise no_such_path(opts.data)
+    if opts.backend == "vllm":
+        from hsstore.extractors.backends.vllm.backend import check_vllm_version, installed_version
+
+        version = installed_version()
+        if version is None:
+            raise BadInputError("--backend vllm needs vLLM: pip install '.[vllm]'")
+        check_vllm_version(version)
     full_config = _load_config(opts.model, opts.trust_remote_code)
     if opts.backend == "sglang":
         refuse_wrong_capture(full_config, opts.model)
@@ -137,9 +147,9 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     specs = worker_specs(opts, layers, shard_i, shards, device=device, dtype=dtype)
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
-        # an SGLang engine never lives in this process: closing one kills its process's
+        # an engine never lives in this process: closing an SGLang one kills its process's
         # children and can take the process itself down (see hsstore/extractors/worker.py)
-        if opts.workers == 1 and opts.backend != "sglang":
+        if opts.workers == 1 and opts.backend not in ENGINE_BACKENDS:
             results = [run_worker(specs[0], progress.handle)]
         else:
             results = _run_spawned(specs, progress, gpus, opts)
@@ -249,7 +259,7 @@ def _store_dtype(opts: ExtractOptions, config: Any) -> str:
         return opts.dtype
     cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = str(cfg).replace("torch.", "") if cfg is not None else "float32"
-    if opts.backend == "sglang":
+    if opts.backend in ENGINE_BACKENDS:
         from hsstore.extractors.backends.sglang.backend import resolve_dtype
 
         return resolve_dtype("auto", name)

@@ -107,7 +107,29 @@ def make_backend(spec: WorkerSpec) -> Any:
             trust_remote_code=opts.trust_remote_code,
             **opts.backend_options,
         )
+    if opts.backend == "vllm":
+        from hsstore.extractors.backends.vllm.backend import VLLMBackend
+
+        return VLLMBackend(
+            opts.model,
+            layers,
+            dtype=spec.dtype,
+            device=spec.device,
+            trust_remote_code=opts.trust_remote_code,
+            max_num_batched_tokens=opts.max_batch_tokens,
+            cpu_cores=worker_cores(spec) if spec.device == "cpu" else None,
+            **opts.backend_options,
+        )
     raise ValueError(f"unknown backend {opts.backend!r}")
+
+
+def worker_cores(spec: WorkerSpec) -> list[int]:
+    """The cores this worker's engine may bind its threads to: its share of this process's."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    workers = spec.options.workers
+    per = max(1, len(cores) // workers)
+    mine = cores[(spec.rank % workers) * per :][:per]
+    return mine or cores
 
 
 def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any]:

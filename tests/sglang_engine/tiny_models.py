@@ -15,15 +15,14 @@ N_LAYERS = 6
 HIDDEN = 64
 HEADS = 4
 KV_HEADS = 2
-HEAD_DIM = HIDDEN // HEADS
 VOCAB = 512
 
 
-def _common(tok) -> dict:
+def _common(tok, hidden: int) -> dict:
     return dict(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=N_LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
@@ -37,50 +36,51 @@ def _common(tok) -> dict:
     )
 
 
-def _moe() -> dict:
-    return dict(moe_intermediate_size=HIDDEN, num_experts_per_tok=2)
+def _moe(hidden: int) -> dict:
+    return dict(moe_intermediate_size=hidden, num_experts_per_tok=2)
 
 
-def _config(arch: str, tok):
+def _config(arch: str, tok, hidden: int = HIDDEN):
     import transformers as tf
 
-    c = _common(tok)
+    c = _common(tok, hidden)
+    head_dim = hidden // HEADS
     if arch == "LlamaForCausalLM":
         return tf.LlamaConfig(**c)
     if arch == "Qwen2ForCausalLM":
         return tf.Qwen2Config(**c)
     if arch == "Qwen3ForCausalLM":
-        return tf.Qwen3Config(**c, head_dim=HEAD_DIM)
+        return tf.Qwen3Config(**c, head_dim=head_dim)
     if arch == "Qwen3MoeForCausalLM":
-        return tf.Qwen3MoeConfig(**c, **_moe(), num_experts=4, head_dim=HEAD_DIM)
+        return tf.Qwen3MoeConfig(**c, **_moe(hidden), num_experts=4, head_dim=head_dim)
     if arch == "MistralForCausalLM":
-        return tf.MistralConfig(**c, head_dim=HEAD_DIM, sliding_window=None)
+        return tf.MistralConfig(**c, head_dim=head_dim, sliding_window=None)
     if arch == "MixtralForCausalLM":
         return tf.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2)
     if arch == "Gemma2ForCausalLM":
-        return tf.Gemma2Config(**c, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM)
+        return tf.Gemma2Config(**c, head_dim=head_dim, query_pre_attn_scalar=head_dim)
     if arch == "Gemma3ForCausalLM":
-        return tf.Gemma3TextConfig(**c, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM)
+        return tf.Gemma3TextConfig(**c, head_dim=head_dim, query_pre_attn_scalar=head_dim)
     if arch == "Phi3ForCausalLM":
         return tf.Phi3Config(**c)
     if arch == "GptOssForCausalLM":
-        return tf.GptOssConfig(**c, head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2)
+        return tf.GptOssConfig(**c, head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2)
     if arch == "Llama4ForCausalLM":
         return tf.Llama4TextConfig(
             **c,
-            head_dim=HEAD_DIM,
-            intermediate_size_mlp=2 * HIDDEN,
+            head_dim=head_dim,
+            intermediate_size_mlp=2 * hidden,
             num_local_experts=4,
             num_experts_per_tok=1,
             interleave_moe_layer_step=2,
             attention_chunk_size=8192,
         )
     if arch == "Glm4ForCausalLM":
-        return tf.Glm4Config(**c, head_dim=HEAD_DIM)
+        return tf.Glm4Config(**c, head_dim=head_dim)
     if arch == "Glm4MoeForCausalLM":
         return tf.Glm4MoeConfig(
             **c,
-            **_moe(),
+            **_moe(hidden),
             n_routed_experts=4,
             n_shared_experts=1,
             n_group=1,
@@ -107,8 +107,9 @@ ARCHITECTURES = [
 ]
 
 
-def build(arch: str, out: str | Path, *, seed: int = 0) -> Path:
-    """Save a random ``arch`` checkpoint (float32) and the demo tokenizer into ``out``."""
+def build(arch: str, out: str | Path, *, seed: int = 0, hidden: int = HIDDEN) -> Path:
+    """Save a random ``arch`` checkpoint (float32) and the demo tokenizer into ``out``; ``hidden``
+    sets the width (head dim ``hidden // HEADS``: vLLM's CPU attention needs at least 32)."""
     import torch
     import transformers as tf
 
@@ -117,7 +118,7 @@ def build(arch: str, out: str | Path, *, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(VOCAB)
-    config = _config(arch, tok)
+    config = _config(arch, tok, hidden)
     config.architectures = [arch]
     config.dtype = "float32"
     model_class = getattr(tf, arch)

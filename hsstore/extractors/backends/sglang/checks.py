@@ -10,6 +10,7 @@ name the sample.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,11 @@ from hsstore.errors import HsstoreError
 from hsstore.extractors.backends.sglang.capture import Capture, SlotReader, bits
 from hsstore.segment.stats import nonfinite_rows
 
+# Why an SGLang capture may be missing.
+MISSING_HINT = (
+    "the forward hook did not run: a CUDA graph replayed the prefill, or the model passed no "
+    "ForwardBatch to its logits processor"
+)
 # How long a capture whose slot was claimed may take to arrive (a GPU's asynchronous copy).
 PENDING_WAIT_S = 60.0
 
@@ -76,8 +82,13 @@ def states_from_captures(
     sample_id: str,
     stats: dict[str, float] | None = None,
     wait_s: float = PENDING_WAIT_S,
+    fail: Callable[[str, str], HsstoreError] = _fail,
+    missing_hint: str = MISSING_HINT,
 ) -> torch.Tensor:
     """The ``[T, layers, H]`` states the hook wrote for request ``rid``, or a loud error.
+
+    ``fail(sample_id, message)`` makes the error and ``missing_hint`` says why no capture may
+    have come: the vLLM backend, whose hook writes the same slots, names its own engine.
 
     The tensor lies in the capture's slot, which goes back to the pool once the tensor is
     freed. ``stats`` (if given) adds up ``bytes``, the scheduler's ``write_s`` and
@@ -87,7 +98,7 @@ def states_from_captures(
     deadline = time.monotonic() + wait_s
     while reader.pending(rid):  # a GPU capture still on its way from the device
         if time.monotonic() > deadline:
-            raise _fail(
+            raise fail(
                 sample_id,
                 f"the capture of request {rid} was started but not finished within {wait_s:.0f}"
                 " s (the engine's forward hook stopped while writing it)",
@@ -95,28 +106,26 @@ def states_from_captures(
         time.sleep(0.001)
     caps: list[Capture] = reader.captures_of(rid)
     if not caps:
-        raise _fail(
+        raise fail(
             sample_id,
-            "no hidden states captured for this request (the forward hook did not run: a CUDA "
-            "graph replayed the prefill, or the model passed no ForwardBatch to its logits "
-            "processor)",
+            f"no hidden states captured for this request ({missing_hint})",
         )
     first = caps[0]
     if first.problem:
         why = ""
         if first.width == hidden_size:  # the aux width the engine gave
             why = " (the model returned its pre-norm final state instead of the aux captures)"
-        raise _fail(sample_id, f"{first.problem}{why}")
+        raise fail(sample_id, f"{first.problem}{why}")
     if first.prefix != 0 or len(caps) > 1 or first.rows != num_tokens:
         forwards = ", ".join(f"{c.rows} rows after {c.prefix} tokens" for c in caps)
-        raise _fail(
+        raise fail(
             sample_id,
             f"truncated: {first.rows} rows of hidden states for {num_tokens} prompt tokens in "
             f"its first forward ({forwards}; chunked prefill or prefix caching enabled?)",
         )
     want = str(dtype).replace("torch.", "")
     if (first.layers, first.hidden, first.dtype) != (layers, hidden_size, want):
-        raise _fail(
+        raise fail(
             sample_id,
             f"capture of {first.layers} layers x {first.hidden} {first.dtype}, expected "
             f"{layers} x {hidden_size} {want}",
@@ -124,7 +133,7 @@ def states_from_captures(
     states = first.states
     assert states is not None
     if nonfinite_rows(bits(states), first.dtype):
-        raise _fail(sample_id, "non-finite values in hidden_states")
+        raise fail(sample_id, "non-finite values in hidden_states")
     if stats is not None:
         stats["bytes"] = stats.get("bytes", 0) + states.numel() * states.element_size()
         stats["write_s"] = stats.get("write_s", 0.0) + first.write_s
