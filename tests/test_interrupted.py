@@ -12,20 +12,25 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import hsstore
 import hsstore.interop.convert as convert_module
+from hsstore import LayerSpec
 from hsstore.cli import main
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import HsstoreError
+from hsstore.storage.locations import open_storage
 from hsstore.storage.object_store import ObjectStorage
 from tests.faults import Call, Fault, FaultyStorage, Plan, sitecustomize_env
 from tools.convert_fixtures import write_v1_dir
+from tools.synthetic import random_sample
 
 CLI = "from hsstore.cli import main; main()"
 SAMPLES = 60
@@ -179,3 +184,31 @@ def test_credentials_lost_mid_run_say_what_is_kept(sources, remote_of, monkeypat
     assert len(lines) == 1, lost.stderr
     assert "access denied" in lines[0] and "not-the-secret" not in lines[0]
     assert f"; {kept} samples committed in {remote.url} are kept; {RESUME}" in lines[0]
+
+
+@pytest.mark.parametrize("at", [".committed", "manifests/_latest"])
+def test_an_interrupt_inside_a_commit_never_removes_what_it_published(tmp_path, at):
+    """Ctrl-C (or SIGTERM, which the CLI turns into the same interrupt) may land anywhere in
+    a commit, also after its version was created: the writer's abort then leaves the
+    segments to gc instead of deleting files a version references."""
+    location = str(tmp_path / "ds")
+    hsstore.create(location, layers=[LayerSpec(1)], hidden_size=8, dtype=torch.float32)
+    created = [False]
+
+    def plan(call: Call) -> Fault | None:
+        if call.verb == "put_if_absent" and call.key.startswith("manifests/v0"):
+            created[0] = True
+        elif created[0] and at in call.key and call.verb in ("put", "put_if_absent"):
+            raise KeyboardInterrupt  # the signal arrives here
+        return None
+
+    ds = hsstore.open(FaultyStorage(open_storage(location), plan))
+    with pytest.raises(KeyboardInterrupt), ds.writer() as w:
+        for i in range(3):
+            w.add(f"s{i}", *random_sample(5, 1, 8, seed=i, dtype=torch.float32))
+        w.commit()
+    assert created[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left out
+        after = hsstore.open(location)
+    assert after.sample_ids == ["s0", "s1", "s2"] and hsstore.verify(location).ok

@@ -92,6 +92,10 @@ class Writer:
             tuple[list[SegmentInfo], set[str], list[dict[str, str]], list[dict[str, Any]]] | None
         ) = None
         self._attempt = 0
+        # The segments of a commit() an interrupt (Ctrl-C, SIGTERM) may have cut short: it can
+        # land after the version was created, so abort leaves them to gc, which judges them by
+        # the manifests (a published segment is never debris).
+        self._interrupted: set[str] = set()
         self._closed = False
         # A writer dropped without close() must not keep its segments leased until exit.
         self._release_at_gc = weakref.finalize(self, self.leases.release_all)
@@ -207,6 +211,7 @@ class Writer:
         mine, my_ids, skipped, runs = self._unresolved
         token = f"{self.leases.owner}.{self._attempt}"
         claimed = {seg.id for seg in mine}
+        self._interrupted = claimed  # until this commit's bookkeeping is done
 
         def refuse_condemned(delta: Delta) -> None:
             hit = claimed.intersection(delta.condemn)
@@ -257,8 +262,11 @@ class Writer:
         except CommitUnknownError:
             raise  # everything is kept as it is: the next commit() resolves it
         except BaseException as exc:
-            # publish raised: certainly nothing of this commit was published.
+            # publish raised: certainly nothing of this commit was published, unless an
+            # interrupt came from outside (then gc decides, see _interrupted).
             self._unresolved = None
+            if isinstance(exc, Exception):
+                self._interrupted = set()
             if isinstance(exc, ConflictError):
                 self.abort()  # a duplicate id or a condemned segment: these cannot go in
             raise
@@ -285,6 +293,7 @@ class Writer:
         self._skipped = self._skipped[len(skipped) :]
         self._runs = self._runs[len(runs) :]
         self.manifest = published
+        self._interrupted = set()
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
         return published
@@ -364,13 +373,15 @@ class Writer:
     def abort(self) -> None:
         """Drop every segment not yet committed (its files are deleted).
 
-        Segments of a commit whose outcome is unknown (`CommitUnknownError`) are left for gc,
-        which decides from the manifests; every other held segment is certainly unpublished.
+        Segments of a commit whose outcome is unknown (`CommitUnknownError`, or a commit an
+        interrupt cut short) are left for gc, which decides from the manifests; every other
+        held segment is certainly unpublished.
         """
         with contextlib.suppress(Exception):
             self._flusher.wait()  # a shard still being written would re-create the folder
         maybe = {seg.id for seg in self._unresolved[0]} if self._unresolved else set()
-        self._unresolved = None
+        maybe |= self._interrupted
+        self._unresolved, self._interrupted = None, set()
         self._segment = None
         self._finished.clear()
         for seg_id in self._held:
