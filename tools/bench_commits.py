@@ -182,23 +182,27 @@ def show(prefix: str, r: dict) -> None:
 def summary(results: list[dict], prefix: str) -> str:
     by = {r["writers"]: r for r in results}
     lo, hi = min(by), max(by)
-    return (
+    scaling = (
         f"{prefix}commits_per_s_{lo}={by[lo]['commits_per_s']:.1f} "
         f"{prefix}commits_per_s_{hi}={by[hi]['commits_per_s']:.1f} "
         f"{prefix}scaling={by[hi]['commits_per_s'] / by[lo]['commits_per_s']:.2f} "
-        f"{prefix}p99_ms_{hi}={by[hi]['p99_ms']:.0f} "
+        if lo != hi  # one N alone: no ratio to show
+        else f"{prefix}commits_per_s_{hi}={by[hi]['commits_per_s']:.1f} "
+    )
+    return (
+        scaling + f"{prefix}p99_ms_{hi}={by[hi]['p99_ms']:.0f} "
         f"{prefix}calls_per_commit_{hi}={by[hi]['calls_per_commit']:.1f}"
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--writers", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--commits", type=int, default=5, help="commits per writer")
     ap.add_argument("--backends", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     ap.add_argument("--dir", default=None, help="scratch folder for the local datasets")
     ap.add_argument("--json", action="store_true", help="print one JSON document")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     # Writers fork from a server process that imported everything once and never touched a
     # storage client (an object-store client's threads do not survive a fork).
