@@ -157,6 +157,7 @@ def test_a_refresh_the_storage_did_not_answer_keeps_the_old_view(location):
     with hsstore.open(location).writer() as w:
         w.add("b", *_sample("b"))
     seg = hsstore.open(location).manifest.segments[-1].id
-    open_storage(location).delete(paths.segment_file(seg, paths.INDEX))
+    for name in (paths.INDEX, paths.INDEX_COPY):  # the index and its copy
+        open_storage(location).delete(paths.segment_file(seg, name))
     ds.refresh()
     assert ds.manifest.version == 3 and ds.sample_ids == ["a"] and seg in ds.unreadable

@@ -296,10 +296,11 @@ def mark_committed(storage: Storage, published: Manifest, segments: list[Segment
     if not segments:
         return
     copy = None
-    with contextlib.suppress(HsstoreError, OSError, ValueError):
-        doc = json.loads(storage.read_bytes(paths.manifest_key(published.version)))
-        if isinstance(doc, dict) and doc.get("checksum") == published.head_checksum:
-            copy = doc
+    delta = published.head_delta
+    if delta is not None and delta.version == published.version and delta.checksum is not None:
+        copy = {**delta.to_json(), "checksum": delta.checksum}
+        if mark_copy({"version": published.version, "delta": copy}) is None:
+            copy = None  # does not seal to the file's bytes: no copy rather than a wrong one
     for seg in segments:
         mark = {
             "version": published.version,

@@ -84,6 +84,7 @@ class Manifest:
     # The checksum of this version's own file (``manifests/v{version}.json``): the link the
     # next delta's ``prev`` names (None where it is not known, e.g. folded from a checkpoint).
     head_checksum: str | None = field(default=None, compare=False)
+    head_delta: Delta | None = field(default=None, compare=False, repr=False)  # its delta, if read
 
     @property
     def num_samples(self) -> int:
@@ -172,6 +173,7 @@ class Manifest:
             committed_at=now_iso(),
             format_version=FORMAT_VERSION,
             head_checksum=None,
+            head_delta=None,
         )
 
     def delta_to(self, nxt: Manifest) -> Delta:
@@ -248,6 +250,7 @@ class Manifest:
             provenance=provenance,
             format_version=FORMAT_VERSION,
             head_checksum=delta.checksum,
+            head_delta=delta,
         )
 
     def to_json(self) -> dict[str, Any]:
