@@ -117,7 +117,8 @@ def make_backend(spec: WorkerSpec) -> Any:
             device=spec.device,
             trust_remote_code=opts.trust_remote_code,
             max_num_batched_tokens=opts.max_batch_tokens,
-            cpu_cores=worker_cores(spec) if spec.device == "cpu" else None,
+            # two engines on one host must not bind the same cores; one keeps vLLM's own binding
+            cpu_cores=worker_cores(spec) if spec.device == "cpu" and opts.workers > 1 else None,
             **opts.backend_options,
         )
     raise ValueError(f"unknown backend {opts.backend!r}")
