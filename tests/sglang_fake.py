@@ -9,7 +9,9 @@ tiny HF model, fills a logits-processor output for the whole packed batch the wa
 ``last_hidden_states``, FULL mode for every forward), runs the ``forward_hooks`` it was given
 exactly as ``model_executor/hook_manager.py`` resolves and calls them, with the positional
 arguments a model passes its logits processor (``models/llama.py``: input ids, final state, LM
-head, ``ForwardBatch``, aux states), and answers with ``meta_info`` shaped as
+head, ``ForwardBatch``, aux states) and, for hooks on the final norm, with what the fused
+``norm(hidden, residual)`` returns (``layers/layer_boundary/residual/access.py``
+``final_norm_pair``: the normed state and the updated residual), and answers with ``meta_info`` shaped as
 ``managers/tokenizer_manager.py`` builds it: hidden states as nested lists only for requests
 that asked for them (``batch_result_processor.py`` ``_append_prefill_hidden_states``).
 
@@ -125,7 +127,10 @@ class FakeSGLangEngine:
         self.capture = sorted(captured)  # the model loop captures in layer order
         if self.faults.get("wrong_layer"):  # a rule hsstore got wrong: one layer too deep
             self.capture = [min(v + 1, n - 1) for v in self.capture]
-        self.hooks = [self._resolve_hook(spec) for spec in server_args.get("forward_hooks") or []]
+        self.hooks, self.norm_hooks = [], []
+        for spec in server_args.get("forward_hooks") or []:
+            on_norm, hook = self._resolve_hook(spec)
+            (self.norm_hooks if on_norm else self.hooks).append(hook)
         self.shut = False
 
     def _count(self, what: str) -> None:
@@ -136,11 +141,16 @@ class FakeSGLangEngine:
     @staticmethod
     def _resolve_hook(spec: dict):
         # model_executor/hook_manager.py: register_forward_hooks + resolve_callable
-        names = ("logits_processor", "language_model.logits_processor")
-        assert any(fnmatch.fnmatch(n, p) for n in names for p in spec["target_modules"])
+        def matches(names):
+            return any(fnmatch.fnmatch(n, p) for n in names for p in spec["target_modules"])
+
+        # the module names of a Llama-like class and of one that delegates to it
+        on_logits = matches(("logits_processor", "language_model.logits_processor"))
+        on_norm = matches(("model.norm", "language_model.model.norm"))
+        assert on_logits != on_norm, spec["target_modules"]
         module_name, fn_name = spec["hook_factory"].split(":", 1)
         factory = getattr(importlib.import_module(module_name), fn_name)
-        return factory(spec.get("config") or {})
+        return on_norm, factory(spec.get("config") or {})
 
     def shutdown(self) -> None:
         self.shut = True
@@ -159,11 +169,12 @@ class FakeSGLangEngine:
             os._exit(17)
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]
         assert len(set(rids)) == len(rids) == len(input_ids)  # io_struct.py rid uniqueness
-        aux, final = [], []
+        aux, final, prenorm = [], [], []
         for ids in input_ids:
-            a, f = self._states(ids)
+            a, f, pre = self._states(ids)
             aux.append(a)
             final.append(f)
+            prenorm.append(pre)
         # a chunked prefill computes the truncated request's last rows in a second forward
         cut = self.faults.get("truncate_rows")
         chunk = [
@@ -178,6 +189,7 @@ class FakeSGLangEngine:
             [0] * len(rids),
             [a[:n] for a, n in zip(aux, lens)],
             [f[:n] for f, n in zip(final, lens)],
+            [p[:n] for p, n in zip(prenorm, lens)],
         )
         if chunk:
             self._forward(
@@ -186,8 +198,11 @@ class FakeSGLangEngine:
                 [lens[i] for i in chunk],
                 [aux[i][lens[i] :] for i in chunk],
                 [final[i][lens[i] :] for i in chunk],
+                [prenorm[i][lens[i] :] for i in chunk],
             )
-        self._forward(rids, [1] * len(rids), [len(i) for i in input_ids], None, None, decode=True)
+        self._forward(
+            rids, [1] * len(rids), [len(i) for i in input_ids], None, None, None, decode=True
+        )
         offsets = [sum(lens[:i]) for i in range(len(lens))]
         responses = []
         for i, ids in enumerate(input_ids):
@@ -200,25 +215,36 @@ class FakeSGLangEngine:
         return responses
 
     def _states(self, ids):
-        """(packed aux captures [T, K*H], final state [T, H]) of one prompt."""
-        out = self.model.model(
-            input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
-        )
+        """(packed aux captures [T, K*H], final state [T, H], final norm's input [T, H]) of one
+        prompt."""
+        seen = []
+        hook = self.model.model.norm.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+        try:
+            out = self.model.model(
+                input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False
+            )
+        finally:
+            hook.remove()
         hs = out.hidden_states  # hs[i] = residual entering layer i; hs[N] = normed final
         aux = torch.cat([hs[i][0] for i in self.capture], dim=-1)
         final = out.last_hidden_state[0]
         if self.faults.get("prenorm_instead_of_aux"):
             aux = hs[-2][0]  # _get_hidden_states_to_store prefers hidden_states_before_norm
-        return aux.to(self.dtype), final.to(self.dtype)
+        return aux.to(self.dtype), final.to(self.dtype), seen[0][0].to(self.dtype)
 
-    def _forward(self, rids, lens, prefixes, aux, final, decode=False):
+    def _forward(self, rids, lens, prefixes, aux, final, prenorm, decode=False):
         """One packed forward's logits-processor output, with the hooks run on it."""
         if decode:  # the decode step after prefill: nothing packed, FULL mode all the same
             output = LogitsOutput(hidden_states=None, last_hidden_states=None)
             batch = ForwardBatch(ForwardMode(False), rids, None, None)
+            normed = updated = torch.zeros(sum(lens), self.model.config.hidden_size)
         else:
             output = LogitsOutput(hidden_states=torch.cat(aux), last_hidden_states=torch.cat(final))
             batch = ForwardBatch(ForwardMode(True), rids, list(lens), list(prefixes))
+            normed, updated = output.last_hidden_states, torch.cat(prenorm)
+        if not self.faults.get("norm_bypassed"):  # a fused terminal norm calls no module
+            for hook in self.norm_hooks:  # the fused norm(hidden, residual) of the last layer
+                hook(None, (normed, updated), (normed.clone(), updated.clone()))
         ids = torch.zeros(sum(lens), dtype=torch.int64)
         args = (ids, output.last_hidden_states, None, batch, None)
         for hook in self.hooks:

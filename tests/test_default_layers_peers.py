@@ -187,9 +187,10 @@ def test_specforge_export_without_the_model_folder_asks_for_target(setup, tmp_pa
     assert len(lines) == 1 and "pass --target MODEL_DIR" in lines[0] and str(model) in lines[0]
 
 
-def test_check_against_sglang_refuses_the_pre_norm_default_before_extracting(setup, tmp_path):
+def test_check_against_sglang_refuses_what_it_cannot_capture_before_extracting(setup, tmp_path):
     root, model = setup
     r = run("extract", "--model", model, "--data", root / "prompts.jsonl", "--out",
-            tmp_path / "ds", "--check-against", "sglang", "--no-progress")  # fmt: skip
-    assert r.exit_code == 2 and "cannot return final-prenorm" in r.stderr
+            tmp_path / "ds", "--layers", "0,2,final-prenorm", "--check-against", "sglang",
+            "--no-progress")  # fmt: skip
+    assert r.exit_code == 2 and "cannot return depth 0" in r.stderr
     assert not (tmp_path / "ds").exists()

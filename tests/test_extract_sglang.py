@@ -27,6 +27,7 @@ from hsstore.extractors.backends.sglang.backend import (
     rows_from_response,
 )
 from hsstore.extractors.chat_tokens import TokenizedPrompt
+from hsstore.extractors.layer_select import parse_layers
 from hsstore.extractors.runner import ExtractOptions, WorkerFailedError, run_extract
 from hsstore.spec.layers import LayerSpec
 
@@ -120,16 +121,17 @@ def test_one_engine_with_the_wheels_server_arguments(tiny):
 
 @pytest.fixture(scope="module")
 def every_depth(tiny):
-    """Depths 1..N-1 and final of a fixed batch, from the transformers backend."""
-    layers = [LayerSpec(d) for d in range(1, N)] + [LayerSpec(N, final_norm=True)]
+    """Depths 1..N-1, final and final-prenorm of a fixed batch, from the transformers backend."""
+    layers = [LayerSpec(d) for d in range(1, N)] + [LayerSpec(N, final_norm=True), LayerSpec(N)]
     return batch_of(tiny), hf_states(tiny, batch_of(tiny), layers)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-@pytest.mark.parametrize("depths", [[2, 3, 5], [1, 3], [4], [N]])
-def test_requested_depths_stored_under_every_rule(tiny, every_depth, architecture, depths):
-    """Kimi-K2.5, GLM-5 and Mistral Large 3 (DeepSeek rule) store what was asked for."""
-    layers = [LayerSpec(d, final_norm=d == N) for d in reversed(depths)]
+@pytest.mark.parametrize("text", ["5,3,2", "3,1", "4", "final", "final-prenorm,3,final"])
+def test_requested_depths_stored_under_every_rule(tiny, every_depth, architecture, text):
+    """Kimi-K2.5, GLM-5 and Mistral Large 3 (DeepSeek rule) store what was asked for, the final
+    norm's input (final-prenorm) included."""
+    layers = parse_layers(text, N)
     batch, all_states = every_depth
     backend = SGLangBackend(
         str(tiny), layers, engine_factory=factory(architecture=architecture), dtype="float32"
@@ -138,7 +140,8 @@ def test_requested_depths_stored_under_every_rule(tiny, every_depth, architectur
         got = backend.run(batch)
     finally:
         backend.close()
-    want = [states[:, [d - 1 for d in reversed(depths)]] for states in all_states]
+    columns = [s.depth - 1 if s.depth < N or s.final_norm else N for s in layers]
+    want = [states[:, columns] for states in all_states]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)  # batched vs one by one
 
@@ -148,7 +151,7 @@ def test_eagle3_final_is_one_engine_and_one_forward_per_batch(tiny, prompts, tmp
     summary = run_extract(
         sglang_options(tiny, prompts, tmp_path / "ds", factory(counts=str(counts)), batch_size=2)
     )
-    assert summary["layers"] == ["after 2", "after 3", "after 6 +final_norm"]  # eagle3,final
+    assert summary["layers"] == ["after 2", "after 3", "after 6"]  # eagle3,final-prenorm
     assert summary["samples_written"] == 3
     assert counted(counts) == {"engine": 1, "forward": 2}  # 3 prompts in batches of 2
     # the engine lived in a worker process, never in this one
@@ -234,17 +237,37 @@ def test_plan_always_starts_with_id_1_and_captures_two_layers():
     only_final = plan_capture([LayerSpec(n, final_norm=True)], n)
     assert only_final.aux_ids == [1, 0] and only_final.slots == [None, None, 0]
     assert plan_capture([LayerSpec(7)], n).aux_ids == [1, 6]
+    both = plan_capture([LayerSpec(n), LayerSpec(2), LayerSpec(n, final_norm=True)], n)
+    assert both.prenorm and both.blocks == 4  # depths 1 and 2, final, then the norm's input
+    assert both.layout == [3, 1, 2] and both.slots == [None, 1, 2, 0]
     with pytest.raises(BadInputError, match="at least 3 decoder layers"):
         plan_capture([LayerSpec(1)], 2)
 
 
 def test_unsupported_layers_refused(tiny):
-    for layers, match in (
-        ([LayerSpec(N)], "final-prenorm"),
-        ([LayerSpec(0), LayerSpec(2)], "depth 0"),
-    ):
-        with pytest.raises(BadInputError, match=match):
-            SGLangBackend(str(tiny), layers, engine_factory=factory())
+    with pytest.raises(BadInputError, match="depth 0"):
+        SGLangBackend(str(tiny), [LayerSpec(0), LayerSpec(2)], engine_factory=factory())
+
+
+def test_final_norm_that_no_hook_sees_is_refused(tiny):
+    """A model whose final norm bypasses the module (a fused terminal norm) leaves no pre-norm
+    state: the sample is named, never stored without it; post-norm runs are unaffected."""
+    batch = batch_of(tiny, 1)
+    bypassed = factory(faults={"norm_bypassed": True})
+    backend = SGLangBackend(str(tiny), [LayerSpec(2), LayerSpec(N)], engine_factory=bypassed)
+    try:
+        with pytest.raises(SGLangResponseError, match="final norm hook ran 0 times") as exc:
+            backend.run(batch)
+        assert exc.value.sample_id == "s0"
+    finally:
+        backend.close()
+    backend = SGLangBackend(
+        str(tiny), [LayerSpec(2), LayerSpec(N, final_norm=True)], engine_factory=bypassed
+    )
+    try:
+        assert backend.run(batch)[0].shape[1] == 2
+    finally:
+        backend.close()
 
 
 def test_untested_sglang_versions_refused(monkeypatch):
@@ -374,7 +397,7 @@ def test_cli_check_against_on_cpu(tiny, prompts, tmp_path):
 
 def test_list_fallback_warns_and_stores_the_same(tiny, every_depth):
     batch, all_states = every_depth
-    layers = [LayerSpec(2), LayerSpec(4), LayerSpec(N, final_norm=True)]
+    layers = [LayerSpec(2), LayerSpec(4), LayerSpec(N), LayerSpec(N, final_norm=True)]
     with pytest.warns(UserWarning, match="Python lists"):
         backend = SGLangBackend(
             str(tiny), layers, engine_factory=factory(), dtype="float32", capture="lists"
@@ -384,7 +407,7 @@ def test_list_fallback_warns_and_stores_the_same(tiny, every_depth):
     finally:
         backend.close()
     for g, w in zip(got, all_states):
-        torch.testing.assert_close(g, w[:, [1, 3, N - 1]], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(g, w[:, [1, 3, N, N - 1]], rtol=1e-4, atol=1e-4)
 
 
 def test_prefix_cache_hit_is_refused(tiny):

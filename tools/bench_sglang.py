@@ -1,8 +1,8 @@
 """How fast hidden states travel from a real SGLang engine to hsstore, against the list path.
 
 Run inside SGLang's environment (sglang 0.5.23; on CPU with ``SGLANG_USE_CPU_ENGINE=1``), from
-the repository root: ``python -m tools.bench_sglang``. A random Llama of the seed's width
-(hidden size 7168, 4 layers so that four states are captured: depths 1-3 and the final state;
+the repository root: ``python tools/bench_sglang.py`` (or ``python -m tools.bench_sglang``).
+A random Llama of the seed's width (hidden size 7168, 4 layers so that four states are captured: depths 1-3 and the final state;
 a small MLP and vocabulary keep the forward cheap), bf16, 512-token prompts in batches of 2.
 Each phase runs its engine in its own process (one engine per process):
 
@@ -45,11 +45,15 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere (spawned phases run this again)
 
 HIDDEN = 7168
 LAYERS = 4
@@ -337,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    # the phases' processes and the engines' own import this checkout's hsstore and tools
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + path if path else "")
     work = Path(args.out or tempfile.mkdtemp(prefix="hsstore-bench-sglang-"))
     work.mkdir(parents=True, exist_ok=True)
     model = str(build_model(work))

@@ -13,8 +13,8 @@ Syntax (comma separated; the full description is in docs/EXTRACT.md):
   in that convention).
 
 The default (:func:`default_layers`) is ``eagle3,final-prenorm``: the final state before the
-norm, which every peer can use (docs/LAYERS.md, "Which final state is stored"). The sglang
-backend, which has no capture of that state, defaults to ``eagle3,final``. All translation
+norm, which every peer can use (docs/LAYERS.md, "Which final state is stored"), for every
+backend. All translation
 between conventions goes through :mod:`hsstore.spec.conventions`; nothing here knows another
 framework's numbering except the default aux choice, which is defined as vLLM/SGLang define it
 (ids of the residual entering decoder layer ``2, N//2, N-3``) and translated from there.
@@ -31,14 +31,12 @@ from hsstore.spec.layers import LayerSpec
 # post-norm state is that norm applied on export. The reverse is impossible: RMSNorm discards
 # each token's scale, so a post-norm state cannot be turned back into the pre-norm one.
 DEFAULT_LAYERS = "eagle3,final-prenorm"
-# SGLang captures aux states at the input of a decoder layer and the LM head's input after the
-# norm; no capture holds the residual after the last layer (see its backend's plan_capture).
-_BACKEND_DEFAULTS = {"sglang": "eagle3,final"}
 
 
 def default_layers(backend: str) -> str:
-    """The ``--layers`` value a run of ``backend`` uses when none is given."""
-    return _BACKEND_DEFAULTS.get(backend, DEFAULT_LAYERS)
+    """The ``--layers`` value a run of ``backend`` uses when none is given: every backend
+    captures the pre-norm final state (SGLang's through a hook on the final norm)."""
+    return DEFAULT_LAYERS
 
 
 def eagle3_aux_layers(num_hidden_layers: int) -> list[LayerSpec]:

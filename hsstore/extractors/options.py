@@ -58,7 +58,7 @@ class ExtractOptions:
             "--layers",
             "Canonical layers: depths 0..N, 'final', 'final-prenorm', 'eagle3', or CONV:ids "
             "(default: eagle3,final-prenorm, which every exporter and trainer takes; "
-            "eagle3,final with --backend sglang; an existing --out keeps its own layers).",
+            "an existing --out keeps its own layers).",
         ),
     )
     max_length: int | None = field(

@@ -1,7 +1,8 @@
 """What the SGLang lane's tests share: the CLI in a child process, prompts, and the reference.
 
 The reference is transformers itself, run here on the same token ids: ``hidden_states[d]`` for
-depth ``d < N`` and, for ``final``, the tensor the LM head receives (read by a forward pre-hook
+depth ``d < N``, for ``final-prenorm`` the final norm's input (a forward pre-hook on the base
+model's ``norm``) and, for ``final``, the tensor the LM head receives (read by a forward pre-hook
 on the output embedding, so "final" is checked against what the head really projects).
 """
 
@@ -93,10 +94,13 @@ class Reference:
 
     @torch.no_grad()
     def states(self, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(hidden_states[0..N] as [T, H], the LM head's input [T, H]) for one sample."""
+        """(hidden_states[0..N] as [T, H] with the final norm's input at N, the LM head's input
+        [T, H]) for one sample."""
         seen = {}
         head = self.model.get_output_embeddings()
         hook = head.register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0]))
+        norm = self.model.get_decoder().norm
+        pre = norm.register_forward_pre_hook(lambda _m, args: seen.setdefault("pre", args[0]))
         threads = torch.get_num_threads()
         # one thread: the reduction order of SGLang's CPU engine, so fp32 agrees bit for bit
         torch.set_num_threads(1)
@@ -105,8 +109,10 @@ class Reference:
         finally:
             torch.set_num_threads(threads)
             hook.remove()
+            pre.remove()
         assert len(out.hidden_states) == self.n + 1
-        return [h[0] for h in out.hidden_states], seen["x"][0]
+        # hidden_states[N] is the normed state; depth N is the norm's input
+        return [h[0] for h in out.hidden_states[:-1]] + [seen["pre"][0]], seen["x"][0]
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -36,8 +36,15 @@ How SGLang is driven (sglang 0.5.23; paths below are inside its ``sglang/srt/``)
   refused, never stored. tests/test_extract_sglang_contract.py checks this for every model
   class of the wheel.
 * **Norm semantics.** ``final`` is the tensor the model hands its logits processor to project
-  with the LM head (after the final norm); ``final-prenorm`` and depth 0 have no SGLang capture
-  and are refused up front.
+  with the LM head (after the final norm). ``final-prenorm`` is the final norm's input: a second
+  forward hook on the model's final norm module (``hook.FINAL_NORM_MODULES``) keeps the residual
+  stream that goes into it (``layers/layer_boundary/residual/access.py`` ``final_norm_pair``:
+  the fused ``norm(hidden, residual)`` returns the updated residual, hidden + residual, as its
+  second output; an unfused norm's input is the state itself), and the logits-processor hook
+  stores it with the rest. A forward in which that hook did not run exactly once (a fused
+  terminal norm that bypasses the module, ``residual/batch.py`` ``final_norm`` with
+  ``finalize_norm``) is refused, naming the sample. Depth 0 has no SGLang capture and is
+  refused up front.
 * Radix cache off and ``chunked_prefill_size=-1``: a prefix-cache hit or a chunked prefill
   computes fewer rows than prompt tokens in a forward. Every request is checked (prompt_tokens,
   cached_tokens == 0, T rows of the expected width from one forward with no prefix) and
@@ -76,6 +83,7 @@ from hsstore.extractors.backends.sglang.checks import (
     rows_from_response,
     states_from_captures,
 )
+from hsstore.extractors.backends.sglang.hook import FINAL_NORM_MODULES
 from hsstore.extractors.backends.sglang.memory import cpu_mem_fraction, engine_start_lock
 from hsstore.extractors.backends.sglang.models import refuse_wrong_capture
 from hsstore.extractors.chat_tokens import TokenizedPrompt
@@ -97,6 +105,7 @@ TESTED_SGLANG_VERSIONS = ("0.5.23",)
 UNTESTED_ENV = "HSSTORE_SGLANG_UNTESTED"
 CAPTURE_MODES = ("shm", "lists")
 HOOK_FACTORY = "hsstore.extractors.backends.sglang.hook:capture_hook"
+FINAL_NORM_HOOK_FACTORY = "hsstore.extractors.backends.sglang.hook:final_norm_hook"
 # The id every capture list starts with: under each rule in the wheel, a list that starts with 1
 # (and stays below N) captures the residual entering layer id + 1.
 ANCHOR_ID = 1
@@ -107,8 +116,8 @@ class CapturePlan:
     """What to ask SGLang for and where each returned block goes.
 
     ``aux_ids`` is sent as ``return_aux_hidden_state_layer_ids``; SGLang returns one block per
-    captured depth in ascending order (``captured_depths``), then the final state.
-    ``slots[j]`` is the stored layer position of block j (the last block is the final state),
+    captured depth in ascending order (``captured_depths``), then the final state, then (with
+    ``prenorm``) the final norm's input. ``slots[j]`` is the stored layer position of block j,
     or None for a block captured only to make the ids rule-independent.
     """
 
@@ -116,10 +125,11 @@ class CapturePlan:
     captured_depths: list[int]
     slots: list[int | None]
     layout: list[int]  # for each stored layer position, the block it comes from
+    prenorm: bool = False  # whether the final norm's input is captured
 
     @property
     def blocks(self) -> int:
-        return len(self.captured_depths) + 1
+        return len(self.captured_depths) + 1 + int(self.prenorm)
 
 
 def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> CapturePlan:
@@ -127,15 +137,12 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
     n = num_hidden_layers
     wanted: dict[int, int] = {}
     final_slot: int | None = None
+    prenorm_slot: int | None = None
     for pos, spec in enumerate(layers):
         if spec.final_norm and spec.depth == n:
             final_slot = pos
         elif spec.depth == n:
-            raise BadInputError(
-                "the sglang backend cannot return final-prenorm (the residual after the last "
-                "layer, before the final norm): SGLang captures aux states at the input of a "
-                "decoder layer and none follows the last; use 'final' or the transformers backend"
-            )
+            prenorm_slot = pos
         elif spec.depth == 0:
             raise BadInputError(
                 "the sglang backend cannot return depth 0 (embeddings): SGLang aux layer ids "
@@ -153,9 +160,15 @@ def plan_capture(layers: Sequence[LayerSpec], num_hidden_layers: int) -> Capture
         depths.add(1)
     captured = sorted(depths)
     aux_ids = sglang_ids(captured, n)  # starts with ANCHOR_ID: depth 2 is always captured
-    slots = [wanted.get(d) for d in captured] + [final_slot]
-    layout = [len(captured) if s.depth == n else captured.index(s.depth) for s in layers]
-    return CapturePlan(aux_ids=aux_ids, captured_depths=captured, slots=slots, layout=layout)
+    prenorm = prenorm_slot is not None
+    slots = [wanted.get(d) for d in captured] + [final_slot] + ([prenorm_slot] if prenorm else [])
+    final_block = {True: len(captured), False: len(captured) + 1}  # by spec.final_norm
+    layout = [
+        final_block[s.final_norm] if s.depth == n else captured.index(s.depth) for s in layers
+    ]
+    return CapturePlan(
+        aux_ids=aux_ids, captured_depths=captured, slots=slots, layout=layout, prenorm=prenorm
+    )
 
 
 def engine_kwargs(
@@ -187,6 +200,24 @@ def engine_kwargs(
         }
     else:
         hook_config = {"mode": "append", "aux_width": aux_width}
+    hook_config["prenorm"] = plan.prenorm
+    hooks = [
+        {
+            "name": "hsstore-capture",
+            "target_modules": ["logits_processor", "*.logits_processor"],
+            "hook_factory": HOOK_FACTORY,
+            "config": hook_config,
+        }
+    ]
+    if plan.prenorm:
+        hooks.append(
+            {
+                "name": "hsstore-final-norm",
+                "target_modules": list(FINAL_NORM_MODULES),
+                "hook_factory": FINAL_NORM_HOOK_FACTORY,
+                "config": {},
+            }
+        )
     kwargs: dict[str, Any] = {
         "model_path": model_dir,
         "skip_tokenizer_init": True,
@@ -202,14 +233,7 @@ def engine_kwargs(
         "enable_return_aux_hidden_states": True,
         "speculative_algorithm": "EAGLE3",
         "return_aux_hidden_state_layer_ids": list(plan.aux_ids),
-        "forward_hooks": [
-            {
-                "name": "hsstore-capture",
-                "target_modules": ["logits_processor", "*.logits_processor"],
-                "hook_factory": HOOK_FACTORY,
-                "config": hook_config,
-            }
-        ],
+        "forward_hooks": hooks,
     }
     if device == "cpu":  # SGLang's CPU path runs with its torch-native attention
         kwargs["device"] = "cpu"

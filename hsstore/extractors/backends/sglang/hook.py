@@ -24,8 +24,19 @@ none into lists (``managers/scheduler_components/batch_result_processor.py``
 Only TP rank 0 writes: under tensor parallelism every rank holds the full residual stream
 after each layer's all-reduce, so one copy is enough.
 
-Mode ``append`` is the list fallback: it appends the final state to ``hidden_states`` so that a
-request with ``return_hidden_states=True`` carries ``[T, (K+1)*H]`` as nested lists.
+The pre-norm final state (``final-prenorm``) is the input of the model's final norm: a second
+hook (:func:`final_norm_hook`) on that module keeps a copy of the state each time the norm runs
+(``layers/layer_boundary/residual/access.py:40`` ``final_norm_pair``: with a residual, the
+fused ``norm(hidden, residual)`` returns ``(normed, hidden + residual)``, ``layers/layernorm.py``
+``forward_native`` and ``forward_cpu`` alike, and the CUDA kernel updates the residual in place;
+without one, the norm's input is the state), and the logits-processor hook, which runs next in
+the same forward, takes it. Every logits-processor call takes what the norm left, so a state
+never outlives its forward; a forward in which the norm hook did not run exactly once is a
+problem receipt, never a guess.
+
+Mode ``append`` is the list fallback: it appends the final state (and the pre-norm one) to
+``hidden_states`` so that a request with ``return_hidden_states=True`` carries
+``[T, (K+1)*H]`` (``[T, (K+2)*H]``) as nested lists.
 """
 
 from __future__ import annotations
@@ -39,11 +50,55 @@ import numpy as np
 
 from hsstore.extractors.backends.sglang.capture import SlotWriter, bits, dtype_name, write_capture
 
+# Where the model classes of the wheel keep their final norm: the base model's ``norm``, under
+# the causal LM (``models/llama.py:460`` ``self.model.norm``) or under a class that delegates to
+# one (``*.model.norm``, ``model.language_model.norm``).
+FINAL_NORM_MODULES = ("model.norm", "*.model.norm", "model.language_model.norm")
+# The final norm's inputs since the last logits-processor call of this process (one TP worker).
+_PRENORM: list[Any] = []
 
-def append_final_state(output: Any, aux_width: int) -> bool:
-    """Append ``output.last_hidden_states`` to ``output.hidden_states`` in place; True if done."""
+
+def final_norm_hook(config: dict[str, Any]):
+    """The hook factory for the model's final norm: keeps a copy of the state entering it."""
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        # fused with the residual add: the updated residual (hidden + residual) is the input
+        fused = isinstance(output, tuple) and len(output) >= 2
+        state = output[1] if fused else args[0]
+        # a copy: the residual's storage is borrowed and may be reused before the logits run
+        _PRENORM.append(state.detach().clone())
+
+    return hook
+
+
+def take_prenorm() -> list[Any]:
+    """What the final norm hook kept since the last call (called once per logits forward)."""
+    kept = list(_PRENORM)
+    _PRENORM.clear()
+    return kept
+
+
+def prenorm_state(kept: list[Any], rows: int) -> tuple[Any, str | None]:
+    """(the pre-norm final state of a forward's ``rows`` tokens, None) or (None, why not)."""
+    if len(kept) != 1:
+        return None, (
+            f"the model's final norm hook ran {len(kept)} times in this forward, expected once "
+            f"(the final norm is no module named {' or '.join(FINAL_NORM_MODULES)}, or a fused "
+            "kernel bypasses it), so there is no pre-norm final state; use --layers "
+            "eagle3,final or the transformers backend"
+        )
+    state = kept[0]
+    if state.dim() != 2 or state.shape[0] != rows:
+        return None, f"a pre-norm final state of shape {tuple(state.shape)} for {rows} rows"
+    return state, None
+
+
+def append_final_state(output: Any, aux_width: int, prenorm: bool = False) -> bool:
+    """Append ``output.last_hidden_states`` (and with ``prenorm`` the final norm's input) to
+    ``output.hidden_states`` in place; True if done."""
     import torch
 
+    kept = take_prenorm()
     aux = getattr(output, "hidden_states", None)
     final = getattr(output, "last_hidden_states", None)
     if not isinstance(aux, torch.Tensor) or not isinstance(final, torch.Tensor):
@@ -52,7 +107,13 @@ def append_final_state(output: Any, aux_width: int) -> bool:
         return False
     if aux.shape[1] != aux_width:
         return False
-    output.hidden_states = torch.cat([aux, final.to(aux.dtype)], dim=-1)
+    blocks = [aux, final.to(aux.dtype)]
+    if prenorm:
+        state, _ = prenorm_state(kept, int(aux.shape[0]))
+        if state is None:  # the worker refuses the narrower rows, naming the sample
+            return False
+        blocks.append(state.to(aux.dtype))
+    output.hidden_states = torch.cat(blocks, dim=-1)
     return True
 
 
@@ -76,6 +137,7 @@ def capture_states(output: Any, args: tuple, config: dict[str, Any], sink: Any) 
     request in this forward; returns how many."""
     import torch
 
+    kept = take_prenorm() if config.get("prenorm") else []
     batch = _forward_batch(args)
     if batch is None or not batch.rids:
         return 0
@@ -106,6 +168,10 @@ def capture_states(output: Any, args: tuple, config: dict[str, Any], sink: Any) 
         problem = f"aux states of width {aux.shape[1]}, expected {aux_width}"
     elif aux.shape[0] != sum(lens):
         problem = f"{aux.shape[0]} rows of states for the forward's {sum(lens)} tokens"
+    prenorm = None
+    if not problem and config.get("prenorm"):
+        prenorm, problem = prenorm_state(kept, int(aux.shape[0]))
+    n_aux = aux_width // hidden
     starts = [sum(lens[:i]) for i in range(len(lens))]
     for i in ours:
         rid, start, rows = str(batch.rids[i]), starts[i], lens[i]
@@ -113,11 +179,11 @@ def capture_states(output: Any, args: tuple, config: dict[str, Any], sink: Any) 
             sink.problem(rid, prefixes[i], problem, width)
             continue
         blocks = []
-        for j in layout:  # stored layer order: block j of the aux states, or the final state
-            if j * hidden >= aux_width:
-                src = final[start : start + rows]
-            else:
+        for j in layout:  # stored layer order: block j of the aux states, final, pre-norm
+            if j < n_aux:
                 src = aux[start : start + rows, j * hidden : (j + 1) * hidden]
+            else:
+                src = (final if j == n_aux else prenorm)[start : start + rows]
             blocks.append(src.to(aux.dtype))
         try:
             sink.write(rid, prefixes[i], blocks)
@@ -210,13 +276,15 @@ def capture_hook(config: dict[str, Any]):
 
     ``config``: ``mode`` (``shm`` or ``append``), ``aux_width`` (K*H), and for ``shm``:
     ``dir`` (the capture directory), ``rid_prefix``, ``hidden_size`` and ``layout`` (for each
-    stored layer, its block: 0..K-1 an aux capture, K the final state).
+    stored layer, its block: 0..K-1 an aux capture, K the final state, K+1 the pre-norm one);
+    ``prenorm``: whether :func:`final_norm_hook` runs on the final norm.
     """
     aux_width = int(config["aux_width"])
     if config.get("mode", "shm") == "append":
+        prenorm = bool(config.get("prenorm"))
 
         def append(module: Any, args: Any, output: Any) -> None:
-            append_final_state(output, aux_width)
+            append_final_state(output, aux_width, prenorm)
 
         return append
     state: dict[str, Any] = {}
@@ -225,6 +293,7 @@ def capture_hook(config: dict[str, Any]):
         if not state:  # distributed state exists once the model runs, not when hooks load
             state["rank"] = _tp_rank()
         if state["rank"] != 0:
+            take_prenorm()  # this rank's copy, never stored
             return
         if "sink" not in state:
             state["sink"] = sink_for(getattr(output, "hidden_states", None), config["dir"])
