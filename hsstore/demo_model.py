@@ -47,7 +47,6 @@ _CORPUS = [
 def _build_tokenizer(vocab: int):
     """Train a byte-level BPE on a few strings and wrap it with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -59,6 +58,14 @@ def _build_tokenizer(vocab: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return chat_tokenizer(tok)
+
+
+def chat_tokenizer(tok):
+    """A ``tokenizers.Tokenizer`` whose vocabulary holds SPECIAL_TOKENS, as a transformers
+    tokenizer with those special tokens and the Llama-3-shaped CHAT_TEMPLATE."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|begin_of_text|>",

@@ -31,7 +31,7 @@ def failed(result) -> set[str]:
 
 
 def test_clean_dataset_passes_every_check(tiny, tmp_path):
-    res = run(write_dataset(tmp_path / "ds", clean_rows(tiny.samples)), tiny)
+    res = run(write_dataset(tmp_path / "ds", clean_rows(tiny.samples)), tiny, model=tiny.model_dir)
     bad = [(c.name, c.verdict.value, c.reason) for c in res.checks if c.verdict is not Verdict.OK]
     assert bad == []
     assert res.verdict is Verdict.OK
@@ -88,6 +88,10 @@ def test_pre_norm_state_declared_post_norm(tiny, tmp_path):
     assert "final_norm" in failed(run(path))  # model-free norm identity
     with_head = failed(run(path, tiny))
     assert {"final_norm", "final_norm_exact", "lm_head_alignment"} <= with_head
+    recomputed = run(path, tiny, model=tiny.model_dir).check("model_recompute")
+    assert recomputed.verdict is Verdict.FAIL
+    assert "is not the model's after 4 +final_norm" in recomputed.reason
+    assert "but its after 4 (" in recomputed.reason
 
 
 def test_post_norm_state_declared_pre_norm(tiny, tmp_path):
@@ -165,3 +169,32 @@ def test_sampled_audit_reads_a_subset_and_still_passes(tiny, tmp_path):
     assert res.sampling["tokens_read"] >= 100
     assert res.summary["samples"] == len(rows)  # the summary still covers everything
     assert res.check("duplicate_samples").verdict is Verdict.FAIL  # same ids, found via index
+
+
+def test_aux_layers_labelled_one_deeper_fail_only_against_the_model(tiny, tmp_path):
+    """The seed's bug: states of depths 1 and 2 labelled 2 and 3. Statistics cannot see it (the
+    depths still grow); the model, run on the same tokens, can."""
+    layers = [LayerSpec(2), LayerSpec(3), CLEAN_LAYERS[3]]
+    rows = clean_rows(tiny.samples, sources=[1, 2, "post"])
+    path = write_dataset(tmp_path / "ds", rows, layers=layers)
+    assert failed(run(path, tiny)) == set()
+    res = run(path, tiny, model=tiny.model_dir)
+    assert failed(res) == {"model_recompute"}
+    reason = res.check("model_recompute").reason
+    assert "layer 0 (after 2) is not the model's after 2" in reason
+    assert "but its after 1 (" in reason and "layer 1 (after 3)" in reason
+
+
+def test_pre_norm_states_of_constant_scale_pass_with_the_models_norm_weight(tiny, tmp_path):
+    """Pre-norm states whose per-token weighted norm is constant (as a trained model's can be)
+    satisfy the weight-free norm identity; the model's own norm weight says they are not its
+    norm's output, and that answer stands."""
+    layers = CLEAN_LAYERS[:3] + [LayerSpec(LAYERS, final_norm=False)]
+    rows = [(sid, ids, mask, torch.cat([h[:, :3], 3 * h[:, 3:]], dim=1))
+            for sid, ids, mask, h in clean_rows(tiny.samples)]  # fmt: skip
+    path = write_dataset(tmp_path / "ds", rows, layers=layers)
+    assert "final_norm" in failed(run(path))  # the weight-free fit alone is fooled
+    res = run(path, tiny)
+    assert res.check("final_norm_exact").verdict is Verdict.OK
+    assert res.check("final_norm").verdict is Verdict.OK
+    assert "final_norm_exact" in res.check("final_norm").reason

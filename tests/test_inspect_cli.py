@@ -49,8 +49,9 @@ def test_clean_dataset_text_report_exits_0(clean):
 
 
 def test_clean_json_matches_schema_and_content(clean, tiny):
-    doc = parsed(inspect(clean, "--json", "--lm-head", tiny.model_dir))
+    doc = parsed(inspect(clean, "--json", "--model", tiny.model_dir, "--model-samples", "1"))
     assert doc["verdict"] == "OK" and doc["counts"]["FAIL"] == 0
+    assert next(c for c in doc["checks"] if c["name"] == "model_recompute")["verdict"] == "OK"
     assert doc["summary"]["samples"] == len(tiny.samples)
     assert doc["summary"]["tokens"] == sum(len(s.input_ids) for s in tiny.samples)
     assert [x["depth"] for x in doc["summary"]["layers"]] == [1, 2, 3, LAYERS]

@@ -16,7 +16,7 @@ import torch
 
 from hsstore.audit.collect import SampleRecord
 from hsstore.audit.norm_fit import BROKEN, HOLDS, norm_fit, rows_needed
-from hsstore.audit.verdict import CheckResult, fail, ok, skip, warn
+from hsstore.audit.verdict import CheckResult, Verdict, fail, ok, skip, warn
 from hsstore.spec.layers import LayerSpec, verifier_position
 
 SHOW = 5  # sample ids quoted in a reason line
@@ -298,3 +298,15 @@ def check_final_norm(
     if not good:
         return skip(name, "; ".join(short) + " (raise --sample, or use --lm-head)", layers=details)
     return ok(name, "; ".join(good), layers=details)
+
+
+def reconcile_final_norm(weight_free: CheckResult, exact: CheckResult) -> CheckResult:
+    """``final_norm`` as reported once ``final_norm_exact`` (the model's own norm weight) has
+    spoken: the weight-free fit is a heuristic, and a trained model's pre-norm states can keep a
+    nearly constant weighted norm, which the fit mistakes for a norm's output; the exact test
+    cannot be fooled that way, so where it confirms the declaration its answer stands."""
+    if exact.verdict is not Verdict.OK or weight_free.verdict not in (Verdict.FAIL, Verdict.WARN):
+        return weight_free
+    return ok(weight_free.name, f"{exact.reason} (final_norm_exact, with the model's norm "
+              f"weight; the weight-free fit alone said: {weight_free.reason})",
+              **weight_free.details)  # fmt: skip

@@ -47,10 +47,13 @@ def rows_needed(hidden_size: int) -> int:
 
 
 def norm_fit(rows: torch.Tensor) -> NormFit | None:
-    """Fit ``sum_i u_i y_i^2 = 1`` over ``rows`` [N, H]; None without more usable rows than H."""
+    """Fit ``sum_i u_i y_i^2 = 1`` over ``rows`` [N, H]; None without more distinct usable rows
+    than H."""
     y = rows.float()
     good = torch.isfinite(y).all(dim=1) & (y.abs().amax(dim=1) > 0)
-    y = y[good]
+    # Identical rows (a prompt prefix shared by many samples, duplicate samples) are one
+    # equation: counted as several they would let the fit pass through them.
+    y = torch.unique(y[good], dim=0)
     n, h = y.shape
     if n <= h:
         return None

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hsstore.audit import alignment, checks
+from hsstore.audit import alignment, checks, recompute
 from hsstore.audit.collect import Collected, Collector, SampleRecord
 from hsstore.audit.inputs import AuditSource, open_audit_source
 from hsstore.audit.lm_head import OutputHead, load_output_head
@@ -32,6 +32,8 @@ class AuditOptions:
     seed: int = 0
     lm_head: str | os.PathLike[str] | None = None
     lm_head_tokens: int = 512
+    model: str | os.PathLike[str] | None = None  # recompute samples with it (recompute.py)
+    model_samples: int = 2
     progress: bool | None = None  # None: a bar only on a terminal
 
 
@@ -190,6 +192,10 @@ def run_audit(src: AuditSource, opts: AuditOptions) -> AuditResult:
         checks.check_vocab(extremes, vocab, token_scope),
     ]
     results += lm_results
+    if head is not None:
+        at = next(i for i, r in enumerate(results) if r.name == "final_norm")
+        results[at] = checks.reconcile_final_norm(results[at], lm_results[1])
+    results.append(recompute.check_against_model(src, opts.model, samples=opts.model_samples))
     layers = []
     for i, s in enumerate(got.layer_summaries):
         entry = {"index": i, "label": src.layers[i].label, "read": s}

@@ -43,6 +43,21 @@ def _parse_ids(ctx: click.Context, param: click.Parameter, text: str | None) -> 
     help="Local HF model directory: check token/norm alignment against its lm_head.",
 )
 @click.option(
+    "--model",
+    "model",
+    type=click.Path(path_type=str),
+    default=None,
+    help="Local HF model directory: recompute a few samples with the model and check that each "
+    "stored layer is the state its label names (implies --lm-head MODEL).",
+)
+@click.option(
+    "--model-samples",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Samples --model recomputes (their first 128 tokens).",
+)
+@click.option(
     "--lm-head-tokens",
     type=click.IntRange(min=1),
     default=512,
@@ -83,6 +98,8 @@ def command(
     full: bool,
     seed: int,
     lm_head: str | None,
+    model: str | None,
+    model_samples: int,
     lm_head_tokens: int,
     layer_ids: list[int] | None,
     num_hidden_layers: int | None,
@@ -96,8 +113,9 @@ def command(
     from hsstore.audit.report import to_json, to_text
 
     src = open_audit_source(path, layer_ids=layer_ids, num_hidden_layers=num_hidden_layers)
-    opts = AuditOptions(sample_tokens=sample_tokens, full=full, seed=seed, lm_head=lm_head,
-                        lm_head_tokens=lm_head_tokens)  # fmt: skip
+    opts = AuditOptions(sample_tokens=sample_tokens, full=full, seed=seed,
+                        lm_head=lm_head or model, lm_head_tokens=lm_head_tokens, model=model,
+                        model_samples=model_samples)  # fmt: skip
     result = run_audit(src, opts)
     lossy = source_report(src, reference, opts)
     if as_json:
