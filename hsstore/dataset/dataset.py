@@ -89,10 +89,11 @@ class Dataset:
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._loaded: LoadedSegments | None = None
         self.rebuilt: Rebuilt | None = None  # how it was rebuilt around lost manifest files
+        given = manifest is not None  # by verify or repair, whose reports say what is damaged
         if manifest is None:
             manifest, self.rebuilt = open_manifest(self.storage, version)
         self._load(manifest)
-        if self.rebuilt is not None or self.unreadable:
+        if not given and (self.rebuilt is not None or self.unreadable):
             say_what_is_left_out(self)
 
     def _load(
