@@ -174,7 +174,11 @@ def write_prompt_sets(
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(seed)
-    questions = [conversation(rng)[0] for _ in range(train + held_out)]
+    questions: list[dict[str, str]] = []
+    while len(questions) < train + held_out:  # each question once: no duplicate samples
+        question = conversation(rng)[0]
+        if question not in questions:
+            questions.append(question)
     prompts = [
         tok.apply_chat_template([q], tokenize=True, add_generation_prompt=True, return_dict=False)
         for q in questions

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")  # the vLLM lane's environment (scripts/vllm_env.sh)
 
@@ -58,7 +59,8 @@ def serve(target: Path, drafter: Path, prompts: list, tmp: Path) -> dict:
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
-    target = train_target(tmp / "target", steps=500, hidden=64, heads=2)  # head_dim 32
+    torch.set_num_threads(1)  # tiny models on shared cores: one thread avoids spin-waiting
+    target = train_target(tmp / "target", steps=400, hidden=64, heads=2)  # head_dim 32
     sets = write_prompt_sets(target, tmp / "prompts", train=96, held_out=HELD_OUT,
                              held_out_tokens=MAX_TOKENS + K + 1)  # fmt: skip
     data = extract(target, tmp / "prompts" / "train.jsonl", tmp / "ds")
