@@ -257,6 +257,8 @@ def _rebuilt(
     except HsstoreError as exc:
         problem(exc.path or storage.root, exc.message)
         return None
+    if not found.unusable:  # no file to set aside (a replaced one): the fold's problem stands
+        return None
     seen = {p.where for p in report.problems}
     for v, why in sorted(found.unusable.items()):
         where = storage.path_of(paths.manifest_key(v))
