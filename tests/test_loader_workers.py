@@ -11,7 +11,7 @@ import torch
 import hsstore
 from hsstore import LayerSpec
 from hsstore.loader import HiddenStateStream, Loader, LoaderOptions, RankPlan
-from hsstore.loader.train_loader import _RawBatchStream
+from hsstore.loader.worker_batches import RawBatchStream
 
 OPTS = dict(max_tokens=64, seed=5, block_size=2, window=8, num_threads=2, prefetch=2)
 
@@ -71,7 +71,7 @@ def test_the_workers_plan_is_the_loaders_and_close_ends_them(path):
     loader.close()
     assert multiprocessing.active_children() == []
     # The stream the workers iterate is built from the Loader's own RankPlan, not from options.
-    stream = _RawBatchStream(loader.rank_plan)
+    stream = RawBatchStream(loader.rank_plan)
     assert stream.rank_plan is loader.rank_plan and stream.fingerprint == loader.fingerprint
     with pytest.raises(TypeError, match="fixes them"):
         HiddenStateStream(loader.rank_plan, max_tokens=8)

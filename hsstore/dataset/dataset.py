@@ -6,7 +6,6 @@ Writing goes through `hsstore.dataset.writer.Writer` (``ds.writer()``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -30,7 +29,7 @@ from hsstore.dataset.sample_checks import (
     token_columns,
 )
 from hsstore.dataset.segment_set import LoadedSegments, load_segments, say_what_is_left_out
-from hsstore.dataset.writer import Writer
+from hsstore.dataset.writer import ViewWriter, Writer
 from hsstore.errors import (
     BadInputError,
     HsstoreError,
@@ -482,7 +481,7 @@ class Dataset:
         self.refresh()
         if self.rebuilt is not None:
             require_whole(self.storage)
-        return _ViewWriter(
+        return ViewWriter(
             self,
             segment_bytes=segment_bytes,
             encode_threads=encode_threads,
@@ -494,22 +493,3 @@ class Dataset:
 
 
 _NO_ROWS = np.empty(0, np.int64)
-
-
-class _ViewWriter(Writer):
-    """A writer whose commits move the view it was made from to the version they publish."""
-
-    def __init__(self, ds: Dataset, **options: Any):
-        super().__init__(ds.storage, ds.manifest, ds.sample_ids, **options)
-        self._view = ds
-
-    def commit(self) -> Manifest | None:
-        published = super().commit()
-        if published is not None:
-            # Published: from here on nothing may turn the commit into an error. A view that
-            # cannot load now (a failed read) is refreshed again on its next use. The indexes
-            # the writer read (other writers' segments) are not read again.
-            with contextlib.suppress(HsstoreError, OSError):
-                if published.version > self._view.manifest.version:
-                    self._view._load(published, self.take_indexes_read())
-        return published

@@ -8,7 +8,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,9 @@ from hsstore.spec.dtypes import storage_view
 from hsstore.spec.layers import verifier_position
 from hsstore.spec.manifest import Delta, Manifest, SegmentInfo
 from hsstore.storage.store import Storage
+
+if TYPE_CHECKING:
+    from hsstore.dataset.dataset import Dataset
 
 
 class Writer:
@@ -422,3 +425,22 @@ class Writer:
                 self.abort()
         finally:
             self.close()
+
+
+class ViewWriter(Writer):
+    """A writer whose commits move the view it was made from to the version they publish."""
+
+    def __init__(self, ds: Dataset, **options: Any):
+        super().__init__(ds.storage, ds.manifest, ds.sample_ids, **options)
+        self._view = ds
+
+    def commit(self) -> Manifest | None:
+        published = super().commit()
+        if published is not None:
+            # Published: from here on nothing may turn the commit into an error. A view that
+            # cannot load now (a failed read) is refreshed again on its next use. The indexes
+            # the writer read (other writers' segments) are not read again.
+            with contextlib.suppress(HsstoreError, OSError):
+                if published.version > self._view.manifest.version:
+                    self._view._load(published, self.take_indexes_read())
+        return published

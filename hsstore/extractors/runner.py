@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from hsstore.cores import usable_cores
 from hsstore.errors import BadInputError, ConflictError, HsstoreError, no_such_path
 from hsstore.extractors.backends.sglang.models import refuse_wrong_capture
 from hsstore.extractors.batching import parse_shard
+from hsstore.extractors.devices import environ_set, resolve_device, visible_gpus
 from hsstore.extractors.extra import require_extract_extra
 from hsstore.extractors.layer_select import default_layers, parse_layers
 from hsstore.extractors.options import BACKENDS, ExtractOptions
@@ -133,7 +133,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         plan_capture(layers, n)  # what SGLang cannot capture is refused before any model runs
     dtype = _store_dtype(opts, config)
     tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
-    device = _device(opts.device)
+    device = resolve_device(opts.device)
     folder_was_there = os.path.exists(opts.out)
     created = _ensure_dataset(opts, config, tokenizer, layers, h, dtype)
     # Segments of a crashed (kill -9) run are debris; gc never touches a live writer's segment
@@ -143,7 +143,7 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
     debris = hsstore.gc(opts.out).removed_segments
     job = input_identity(opts.data, limit=opts.limit, max_length=opts.max_length)
     _record_run(opts.out, run_record("started", job, shard_i, shards))
-    gpus = _visible_gpus() if device.startswith("cuda") else []
+    gpus = visible_gpus() if device.startswith("cuda") else []
     specs = worker_specs(opts, layers, shard_i, shards, device=device, dtype=dtype)
     t0 = time.perf_counter()
     with Progress(enabled=opts.progress, workers=opts.workers) as progress:
@@ -343,47 +343,6 @@ def _remove_empty(out: str, folder_was_there: bool) -> None:
             os.rmdir(out)
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise BadInputError(f"--device {name}: CUDA is not available")
-        index = name.partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise BadInputError(f"--device {name}: no such CUDA device")
-    elif name != "cpu":
-        raise BadInputError(f"--device {name!r}: use cpu, cuda, cuda:K or auto")
-    return name
-
-
-def _visible_gpus() -> list[str]:
-    import torch
-
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env:
-        return [g.strip() for g in env.split(",") if g.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
-@contextmanager
-def _env(**values: str | None):
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _run_spawned(
     specs: list[WorkerSpec], progress: Progress, gpus: list[str], opts: ExtractOptions
 ) -> list[dict[str, Any]]:
@@ -407,7 +366,7 @@ def _run_spawned(
                 visible = ",".join(mine)
                 spec = replace(spec, device="cuda:0") if spec.device.startswith("cuda") else spec
             reader, writer = ctx.Pipe(duplex=False)
-            with _env(CUDA_VISIBLE_DEVICES=visible):
+            with environ_set(CUDA_VISIBLE_DEVICES=visible):
                 p = ctx.Process(target=worker_process_main, args=(spec, writer), daemon=False)
                 p.start()
             writer.close()  # the worker holds the only write end: its death closes the pipe

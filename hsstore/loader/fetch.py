@@ -60,21 +60,7 @@ from hsstore.loader.collate import (
 from hsstore.loader.damaged import blank
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.dequant import dequantize_batch
-from hsstore.loader.shutdown import close_at_exit
-
-_POLL_S = 0.1
-
-
-def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
-    """Put into a bounded queue, giving up (False) once ``stop`` is set."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
+from hsstore.loader.shutdown import POLL_S, close_at_exit, put_unless_stopped
 
 _FIRST_POLL_S = 0.001
 # Less stale padding than this is zeroed by the producer: a hand-off costs as much.
@@ -349,7 +335,7 @@ class BatchFetcher:
                 return self._returned.popleft()
             waited = time.monotonic() - started
             try:
-                return self._free.get(timeout=min(_POLL_S, max(_FIRST_POLL_S, waited / 4)))
+                return self._free.get(timeout=min(POLL_S, max(_FIRST_POLL_S, waited / 4)))
             except queue.Empty:
                 continue
         return None
@@ -440,7 +426,7 @@ class BatchFetcher:
     def _get(self) -> object:
         while not self._stop.is_set():
             try:
-                return self._out.get(timeout=_POLL_S)
+                return self._out.get(timeout=POLL_S)
             except queue.Empty:
                 continue
         return _END

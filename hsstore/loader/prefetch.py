@@ -26,8 +26,7 @@ import torch
 
 from hsstore.loader.collate import RawBatch
 from hsstore.loader.dequant import to_device
-from hsstore.loader.fetch import put_unless_stopped
-from hsstore.loader.shutdown import close_at_exit
+from hsstore.loader.shutdown import close_at_exit, put_unless_stopped
 
 _END = object()
 

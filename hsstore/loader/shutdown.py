@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import queue
 import threading
 import weakref
 from typing import Protocol
@@ -41,3 +42,18 @@ def _close_all() -> None:
 
 
 atexit.register(_close_all)
+
+
+# How often a thread blocked on a queue looks whether it was asked to stop.
+POLL_S = 0.1
+
+
+def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Put into a bounded queue, giving up (False) once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False

@@ -21,35 +21,23 @@ import multiprocessing
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, get_worker_info
 
 from hsstore.errors import BadInputError, IntegrityError
 from hsstore.loader.collate import HostBuffers, RawBatch, as_eagle3
 from hsstore.loader.damaged import DamagedSamples, refuse_left_out, stopped_by
 from hsstore.loader.fetch import BatchFetcher
-from hsstore.loader.follow import WAIT, FirstPass, rank_len, rank_steps
+from hsstore.loader.follow import WAIT, FirstPass, rank_steps
 from hsstore.loader.options import LoaderOptions, shows_options
 from hsstore.loader.partition import rank_batches
 from hsstore.loader.plan import global_plan
 from hsstore.loader.prefetch import DevicePrefetcher, resolve_device
-from hsstore.loader.stream import HiddenStateStream, PlannedEpochs, RankPlan
+from hsstore.loader.stream import PlannedEpochs, RankPlan
+from hsstore.loader.worker_batches import FollowTagged, Tag, WorkerBatches, first_pass_tag
 from hsstore.tuning import tune_process
-
-
-class _Tag(NamedTuple):
-    """Where a decoded batch sits in the plan: step ``step`` of ``epoch_len`` (None while a
-    following first pass grows) in ``epoch``; global batch ``batch``, ``repeat`` if it pads
-    the last round."""
-
-    epoch: int
-    step: int
-    epoch_len: int | None
-    batch: int = -1
-    repeat: bool = False
 
 
 def _planned_from(
@@ -58,7 +46,7 @@ def _planned_from(
     epoch: int,
     start: int,
     step: int,
-    tags: deque[_Tag],
+    tags: deque[Tag],
     stop: threading.Event,
 ) -> Iterator[tuple[np.ndarray, np.ndarray] | object]:
     """The rank's planned batches from ``(epoch, start, step)`` on, epoch after epoch.
@@ -77,7 +65,7 @@ def _planned_from(
                 if item is WAIT:
                     yield WAIT
                     continue
-                tags.append(_first_pass_tag(spec, first_pass, start, item))
+                tags.append(first_pass_tag(spec, first_pass, start, item))
                 yield first_pass.batch(tags[-1].batch)
             if stop.is_set():
                 return
@@ -90,23 +78,13 @@ def _planned_from(
                 return
             for j in range(step, len(ids)):
                 repeat = start + rank + j * world >= len(full)
-                tags.append(_Tag(epoch, j, len(ids), int(ids[j]), repeat))
+                tags.append(Tag(epoch, j, len(ids), int(ids[j]), repeat))
                 yield full.batch(int(ids[j]))
         epoch, start, step = epoch + 1, 0, 0
 
 
-def _first_pass_tag(spec: RankPlan, first_pass: FirstPass, start: int, item: Any) -> _Tag:
-    """The tag of ``(step, global batch, repeat)`` of the first pass (``follow.rank_steps``)."""
-    i, g, repeat = item
-    total = first_pass.total
-    n = None
-    if total is not None:
-        n = rank_len(total, spec.rank, spec.world_size, spec.config.tail, start)
-    return _Tag(0, i, n, g, repeat)
-
-
 class _Pipeline:
-    """Decoded batches from one plan position on, each with its ``_Tag``.
+    """Decoded batches from one plan position on, each with its ``Tag``.
 
     ``peek`` decodes the next batch without delivering it: the Loader looks at its epoch to
     tell whether the current epoch is over, and leaves it for the next one. ``last_epoch`` is
@@ -116,19 +94,19 @@ class _Pipeline:
     def __init__(
         self,
         batches: Any,
-        tags: deque[_Tag],
+        tags: deque[Tag],
         last_epoch: int | None,
         stop: Any = None,
     ):
         self._batches, self._tags, self.last_epoch = batches, tags, last_epoch
-        self._pending: tuple[_Tag, RawBatch] | None = None
+        self._pending: tuple[Tag, RawBatch] | None = None
         self.finished = False
         self._stop = stop  # ends a planner waiting for a followed dataset to grow
 
     def covers(self, epoch: int) -> bool:
         return not self.finished and (self.last_epoch is None or epoch <= self.last_epoch)
 
-    def peek(self) -> _Tag | None:
+    def peek(self) -> Tag | None:
         """The next batch's tag (decoding it if needed), or None when the pipeline has ended."""
         if self._pending is None and not self.finished:
             try:
@@ -139,7 +117,7 @@ class _Pipeline:
             self._pending = (self._tags.popleft(), raw)
         return None if self._pending is None else self._pending[0]
 
-    def failed_batch(self) -> _Tag | None:
+    def failed_batch(self) -> Tag | None:
         """The tag of the batch whose decoding raised (the next one not delivered), if known."""
         return self._tags[0] if self._tags else None
 
@@ -315,7 +293,7 @@ class Loader(PlannedEpochs):
                     path=self.source.path,
                 )
 
-    def _skips(self, error: IntegrityError, failed: _Tag | None) -> bool:
+    def _skips(self, error: IntegrityError, failed: Tag | None) -> bool:
         """With ``skip_damaged``: whether the samples of the failed batch (else the one the
         error names) include damaged ones not yet skipped, now added to those skipped."""
         if self.options is None or not self.options.skip_damaged:
@@ -347,7 +325,7 @@ class Loader(PlannedEpochs):
 
     def _start_pipeline(self) -> _Pipeline:
         pin = self.device is not None and self.device.type == "cuda"  # page-locked: async H2D
-        tags: deque[_Tag] = deque()
+        tags: deque[Tag] = deque()
         host: Any
         if self.workers == 0:
             if self._ring is None:
@@ -381,7 +359,7 @@ class Loader(PlannedEpochs):
         elif self.following:
             # The workers read the new versions themselves; the stop event ends their waits.
             stop = multiprocessing.get_context("spawn").Event()
-            host = _FollowTagged(_WorkerBatches(self, pin, stop), self, tags)
+            host = FollowTagged(WorkerBatches(self, pin, stop), self, tags)
             last_epoch = 0
         else:
             # Worker processes iterate one epoch each (DataLoader's round robin over workers
@@ -390,141 +368,11 @@ class Loader(PlannedEpochs):
             full, n = self.global_plan(self.epoch), len(self.plan())
             ids = rank_batches(len(full), self.rank, self.world_size, self.config.tail, self.start)
             tags.extend(
-                _Tag(self.epoch, j, n, int(ids[j]), self.start + self.rank + j * self.world_size
+                Tag(self.epoch, j, n, int(ids[j]), self.start + self.rank + j * self.world_size
                      >= len(full))
                 for j in range(self.step, n)
             )  # fmt: skip
-            host = _WorkerBatches(self, pin)
+            host = WorkerBatches(self, pin)
             last_epoch = self.epoch
         batches = host if self.device is None else DevicePrefetcher(host, self.device)
         return _Pipeline(batches, tags, last_epoch, stop)
-
-
-class _RawBatchStream(HiddenStateStream):
-    """The Loader's plan for its DataLoader workers: each sends its batches as decoded
-    (``RawBatch``), and the Loader makes the trainer's keys once, in the main process.
-
-    In a following first pass, worker w of n decodes the rank's steps ``step + w``,
-    ``step + w + n``, ... as their windows are cut, reading the new versions itself: the
-    windows are a function of the version history, so every worker plans the same pass.
-    """
-
-    stop: Any = None  # a multiprocessing Event, set when the Loader stops following
-
-    def __iter__(self) -> Iterator[RawBatch]:  # type: ignore[override]
-        return self._followed() if self.following else self._raw_batches()
-
-    def _followed(self) -> Iterator[RawBatch]:
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        first_pass = self.first_pass
-        assert first_pass is not None
-
-        def planned() -> Iterator[tuple[np.ndarray, np.ndarray] | object]:
-            for item in self._rank_steps(self.stop):
-                if item is WAIT:
-                    yield WAIT
-                elif (item[0] - self.step) % num_workers == worker:  # type: ignore[index]
-                    yield first_pass.batch(item[1])  # type: ignore[index]
-
-        fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
-                               num_threads=self.num_threads, prefetch=self.prefetch,
-                               reuse_buffers=self.reuse_buffers,
-                               dequantize=self.dequantize, skip=self.skip)  # fmt: skip
-        try:
-            yield from fetcher
-        finally:
-            fetcher.close()
-
-
-class _FollowTagged:
-    """Worker batches of a following first pass, tagged by the same schedule run in this
-    process (which reads each version after a worker has), and checked against it."""
-
-    def __init__(self, batches: _WorkerBatches, loader: Loader, tags: deque[_Tag]):
-        assert loader.first_pass is not None
-        self._batches, self._tags, self._pass = batches, tags, loader.first_pass
-        self._spec, self._start = loader.rank_plan, loader.start
-        self._steps = loader._rank_steps()
-
-    def __iter__(self) -> _FollowTagged:
-        return self
-
-    def _next_step(self) -> Any:
-        return next((item for item in self._steps if item is not WAIT), None)
-
-    def __next__(self) -> RawBatch:
-        try:
-            raw = next(self._batches)
-        except StopIteration:
-            if self._next_step() is not None:
-                raise RuntimeError("the loader's workers ended the first pass early") from None
-            raise
-        except IntegrityError:  # tag the batch that failed, for the Loader to look into
-            item = self._next_step()
-            if item is not None:
-                self._tags.append(_first_pass_tag(self._spec, self._pass, self._start, item))
-            raise
-        item = self._next_step()
-        if item is None or not np.array_equal(raw.sample_index, self._pass.batch(item[1])[0]):
-            raise RuntimeError(f"a loader worker decoded another batch than planned ({item})")
-        self._tags.append(_first_pass_tag(self._spec, self._pass, self._start, item))
-        return raw
-
-    def close(self) -> None:
-        self._batches.close()
-
-
-class _WorkerBatches:
-    """Host batches decoded by DataLoader worker processes, copied into a reusable ring.
-
-    Batches from workers arrive in fresh shared-memory tensors; copying them into pinned
-    buffers we own is what lets the device copy run asynchronously without pinning a fresh
-    tensor per batch. Bound for a device, fp8 batches come in their stored form, to be
-    dequantized there; else the workers dequantize them.
-    """
-
-    def __init__(self, loader: Loader, pin: bool, stop: Any = None):
-        stream = _RawBatchStream(
-            loader.rank_plan,
-            num_threads=max(1, loader.num_threads // max(1, loader.workers)),
-            prefetch=loader.prefetch,
-            reuse_buffers=False,
-        )
-        stream.epoch, stream.start, stream.step = loader.epoch, loader.start, loader.step
-        stream.first_pass, stream.stop = loader.first_pass, stop  # the windows so far
-        stream.dequantize = loader.device is None
-        stream.skip = loader.damaged.positions
-        # Only this object holds the DataLoader's iterator: dropping it (close) is what shuts
-        # its worker processes down, the way DataLoader documents for an iterator going away.
-        self._dl: Iterator[RawBatch] | None = iter(
-            DataLoader(
-                stream,
-                batch_size=None,
-                num_workers=loader.workers,
-                prefetch_factor=loader.prefetch,
-                persistent_workers=False,
-                # The storage says how a process that uses it must start (an object-store
-                # client does not survive fork()).
-                multiprocessing_context=loader.source.location.worker_start_method,
-            )
-        )
-        self._capacity, self._pin = loader.shape.capacity, pin
-        self._ring: list[HostBuffers] = []  # two, made in the form of the first batch
-        self._next = 0
-
-    def __iter__(self) -> _WorkerBatches:
-        return self
-
-    def __next__(self) -> RawBatch:
-        if self._dl is None:
-            raise StopIteration
-        batch = next(self._dl)
-        if not self._ring:
-            self._ring = [HostBuffers.like(batch, self._capacity, self._pin) for _ in range(2)]
-        buf = self._ring[self._next]
-        self._next = (self._next + 1) % len(self._ring)
-        return buf.hold(batch)
-
-    def close(self) -> None:
-        self._dl = None

@@ -44,7 +44,7 @@ from hsstore.spec.manifest_parts import (  # noqa: F401 - the parts a manifest i
     check_unique_segments,
     now_iso,
 )
-from hsstore.spec.schema import validate
+from hsstore.spec.schema import check_nesting, validate
 from hsstore.spec.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
@@ -55,10 +55,6 @@ FORMAT_VERSION = 4
 # Provenance lists a commit may append to (and nothing else of the provenance may change): inputs
 # a converter left out, the start and end records of extraction runs, what a repair changed.
 APPENDED_PROVENANCE = ("skipped", "runs", "repairs")
-
-# A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
-# nest, so a hostile or damaged one cannot make a reader recurse without limit.
-MAX_NESTING = 64
 
 
 @dataclass(frozen=True)
@@ -471,7 +467,7 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
             path=where,
         )
     for free_form in ("provenance", "tokenizer"):  # the schema bounds the depth of the rest
-        _check_nesting(obj.get(free_form), where=where)
+        check_nesting(obj.get(free_form), where=where)
     stored = obj.get("checksum")
     # The checksum first: a damaged byte is reported as damage, not as whatever rule it broke.
     if isinstance(stored, str) and not checksum_matches(data, stored):
@@ -488,16 +484,3 @@ def load_document(data: bytes, *, where: str) -> Manifest | Delta:
     if obj.get("kind") == "delta":
         return Delta.from_json(obj, where=where)
     return replace(Manifest.from_json(obj, where=where), head_checksum=stored)
-
-
-def _check_nesting(obj: Any, *, where: str) -> None:
-    """Refuse documents nested deeper than MAX_NESTING (iteratively: no recursion to exhaust)."""
-    stack = [(obj, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_NESTING:
-            raise FormatError(f"manifest is nested deeper than {MAX_NESTING} levels", path=where)
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)

@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from hsstore import schemas
-from hsstore.errors import SchemaError
+from hsstore.errors import FormatError, SchemaError
 
 # Keywords the segment fast path implements; any other in $defs/segment is refused at load,
 # so the schema cannot gain a rule the fast path would silently skip.
@@ -173,3 +173,21 @@ def _check_segment(seg: Any) -> str | None:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# A bound on what a manifest may claim: how deeply its free-form parts (provenance, tokenizer)
+# nest, so a hostile or damaged one cannot make a reader recurse without limit.
+MAX_NESTING = 64
+
+
+def check_nesting(obj: Any, *, where: str) -> None:
+    """Refuse documents nested deeper than MAX_NESTING (iteratively: no recursion to exhaust)."""
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise FormatError(f"manifest is nested deeper than {MAX_NESTING} levels", path=where)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
