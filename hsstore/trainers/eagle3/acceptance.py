@@ -191,3 +191,28 @@ def predict_acceptance(
         loader.close()
         model.train(was_training)
     return counts
+
+
+def predict_for_run(args, model, aux_pos, target_tensors, train_head, device) -> dict:
+    """A training run's prediction: the acceptance an engine serving its drafter greedily
+    should count, on ``--eval-data`` (else the training data), printed and returned for the
+    run's summary."""
+    head = None
+    if train_head is not None:  # the target's greedy token: its argmax over the whole vocabulary
+        norm = target_tensors["norm"]
+        head = TargetHead(norm, target_tensors["head"], train_head.eps, train_head.apply_norm)
+        head = head.to(device)
+    data = args.eval_data or args.data
+    k = args.eval_draft_tokens or args.ttt_steps
+    counts = predict_acceptance(
+        model, data, aux_layers=aux_pos, head=head, k=k, max_samples=args.eval_samples,
+        max_tokens=args.max_tokens, device=device, skip_damaged=args.skip_damaged,
+    )  # fmt: skip
+    rates = " ".join(f"{r:.3f}" for r in counts.rates)
+    where = "held-out" if args.eval_data else "training"
+    print(
+        f"predicted acceptance ({counts.drafts} drafts of {k} on {where} samples of {data}): "
+        f"per position {rates} | mean accepted length {counts.mean_accepted_length:.2f}",
+        flush=True,
+    )
+    return {**counts.to_json(), "data": str(data), "held_out": bool(args.eval_data)}

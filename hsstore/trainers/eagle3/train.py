@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hsstore.commits.runs import completion
 from hsstore.spec.layers import verifier_position
-from hsstore.trainers.eagle3.acceptance import predict_acceptance
+from hsstore.trainers.eagle3.acceptance import predict_for_run
 from hsstore.trainers.eagle3.batches import align_batch, shift_left, step_validity
 from hsstore.trainers.eagle3.checkpoint import (
     find_checkpoint,
@@ -445,7 +445,7 @@ def train(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - run_start
     acceptance = None
     if master and args.eval_samples > 0:
-        acceptance = _predict(args, model, aux_pos, target_tensors, head, device)
+        acceptance = predict_for_run(args, model, aux_pos, target_tensors, head, device)
     losses = [h["loss"] for h in history]
     mean_accs = [sum(h["acc"]) / len(h["acc"]) for h in history]  # nan if any step had none
     summary = {
@@ -472,29 +472,6 @@ def train(args: argparse.Namespace) -> dict:
     if world > 1:
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}
-
-
-def _predict(args, model, aux_pos, target_tensors, train_head, device) -> dict:
-    """The acceptance an engine serving this drafter greedily should count (acceptance.py)."""
-    head = None
-    if train_head is not None:  # the target's greedy token: its argmax over the whole vocabulary
-        norm = target_tensors["norm"]
-        head = TargetHead(norm, target_tensors["head"], train_head.eps, train_head.apply_norm)
-        head = head.to(device)
-    data = args.eval_data or args.data
-    k = args.eval_draft_tokens or args.ttt_steps
-    counts = predict_acceptance(
-        model, data, aux_layers=aux_pos, head=head, k=k, max_samples=args.eval_samples,
-        max_tokens=args.max_tokens, device=device, skip_damaged=args.skip_damaged,
-    )  # fmt: skip
-    rates = " ".join(f"{r:.3f}" for r in counts.rates)
-    where = "held-out" if args.eval_data else "training"
-    print(
-        f"predicted acceptance ({counts.drafts} drafts of {k} on {where} samples of {data}): "
-        f"per position {rates} | mean accepted length {counts.mean_accepted_length:.2f}",
-        flush=True,
-    )
-    return {**counts.to_json(), "data": str(data), "held_out": bool(args.eval_data)}
 
 
 def main(argv: list[str] | None = None) -> dict:
