@@ -104,9 +104,10 @@ def test_a_fifo_where_a_dataset_file_belongs_is_refused_without_blocking(tmp_pat
     assert r.returncode == 1, r.stderr
     assert f"{root / key}: is a FIFO" in r.stdout or target == "hint"
     assert "Traceback" not in r.stderr
-    if target == "manifest":
-        with pytest.raises(hsstore.FormatError, match="FIFO"):
-            hsstore.open(root)
+    if target == "manifest":  # set aside: the state is rebuilt from the marks' copies, loudly
+        with pytest.warns(hsstore.DamageWarning, match="is a FIFO"):
+            opened = hsstore.open(root)
+        assert len(opened) == len(ds) and opened.rebuilt is not None
     elif target == "hint":  # only a hint: reported, and the listing decides
         assert "hint cannot be read" in r.stdout
         assert len(hsstore.open(root)) == len(ds)
@@ -126,9 +127,10 @@ def test_a_device_where_a_dataset_file_belongs_is_refused(tmp_path, target):
     }[target]
     (root / key).unlink()
     os.symlink("/dev/null", root / key)
-    if target == "manifest":
-        with pytest.raises(hsstore.FormatError, match="character device"):
-            hsstore.open(root)
+    if target == "manifest":  # set aside: the state is rebuilt from the marks' copies, loudly
+        with pytest.warns(hsstore.DamageWarning, match="character device"):
+            opened = hsstore.open(root)
+        assert len(opened) == len(ds) and opened.rebuilt is not None
     else:
         opened = hsstore.open(root)
         assert len(opened) == len(ds)
