@@ -24,21 +24,10 @@ def extract_args(model: Path, prompts: Path, out: Path, *args: str) -> list[str]
 
 
 def reference_states(ref, input_ids) -> dict:
-    """transformers' states for one sample by stored label: ``after d`` (the residual stream,
-    ``hidden_states[d]``; ``after N`` read before the final norm by a pre-hook) and ``after N
-    +final_norm`` (the LM head's input), from the SGLang lane's ``Reference``."""
-    import torch
-
-    seen = {}
-    norm = ref.model.get_decoder().norm
-    hook = norm.register_forward_pre_hook(lambda _m, args: seen.setdefault("x", args[0]))
-    try:
-        hidden, head_input = ref.states(input_ids)
-    finally:
-        hook.remove()
-    n = ref.n
-    out = {f"after {d}": h for d, h in enumerate(hidden[:n])}
-    out[f"after {n}"] = seen["x"][0]
-    out[f"after {n} +final_norm"] = head_input
-    assert torch.equal(head_input, hidden[n])  # transformers' hidden_states[N] is the normed one
+    """transformers' states for one sample by stored label, from the SGLang lane's
+    ``Reference``: ``after d`` is ``hidden_states[d]`` (at N the final norm's input) and
+    ``after N +final_norm`` the LM head's input."""
+    hidden, head_input = ref.states(input_ids)
+    out = {f"after {d}": h for d, h in enumerate(hidden)}
+    out[f"after {ref.n} +final_norm"] = head_input
     return out
