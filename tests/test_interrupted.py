@@ -32,7 +32,12 @@ from tests.faults import Call, Fault, FaultyStorage, Plan, sitecustomize_env
 from tools.convert_fixtures import write_v1_dir
 from tools.synthetic import random_sample
 
-CLI = "from hsstore.cli import main; main()"
+# Ctrl-C's disposition as in a terminal's foreground: a suite started in the background
+# (`make test &`) has SIGINT ignored, and its children would inherit that.
+CLI = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from hsstore.cli import main; main()"
+)
 SAMPLES = 60
 RESUME = "rerun the same command to resume"
 
