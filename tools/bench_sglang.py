@@ -45,6 +45,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -270,11 +271,15 @@ def paired_capture(backend: Any, data: list[Any], batches: int, plain: Any) -> d
         "state_bytes_per_sample": state_bytes,
         # the slots (shared, kept for reuse) and what else the capture allocates, per sample
         "memory_added_per_sample": (shared + max(0, _median(anons))) / BATCH,
+        "slot_pool_bytes": shared,
+        "private_added_bytes": anons,
     }
 
 
 def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # The engine's own allocations swing a batch's peak private memory by 100+ MB either way:
+    # the middle of several paired batches, not one of them, is what the capture adds.
+    return statistics.median(values)
 
 
 def phase_extract(
@@ -335,7 +340,7 @@ def _in_process(fn, *args) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=7)
     parser.add_argument("--list-batches", type=int, default=1)
     parser.add_argument("--extract-rows", type=int, default=18)
     parser.add_argument("--out", help="working directory (default: a temporary one)")

@@ -130,7 +130,7 @@ def phase_capture(model: str, batches: int, vocab: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=7)
     parser.add_argument("--extract-rows", type=int, default=18)
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
