@@ -14,7 +14,7 @@ For each model it extracts the same prompts three times with ``hsstore extract``
 2. transformers backend, bfloat16 (how far bf16 alone moves the states);
 3. SGLang backend, bfloat16 (one engine, aux + final state from one forward).
 
-and checks, for every sample and stored layer (default ``eagle3,final``), that SGLang agrees
+and checks, for every sample and stored layer (default: the extractor's, ``eagle3,final-prenorm``), that SGLang agrees
 with the float32 reference about as well as transformers in bf16 does: relative error at most
 ``--tolerance-factor`` times the bf16 transformers error (plus a small floor), and less than
 half the distance between the reference's own stored layers. A wrong layer id would be off by
@@ -318,11 +318,13 @@ def check_model(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hsstore.extractors.layer_select import DEFAULT_LAYERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: build the three random ones)")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     parser.add_argument("--rows", type=int, default=24)
-    parser.add_argument("--layers", default="eagle3,final")
+    parser.add_argument("--layers", default=DEFAULT_LAYERS)
     parser.add_argument("--tolerance-factor", type=float, default=4.0)
     parser.add_argument("--skip-chunked-check", action="store_true")
     args = parser.parse_args(argv)

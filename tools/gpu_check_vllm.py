@@ -46,11 +46,13 @@ def refused(model: str, work: Path, data: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hsstore.extractors.layer_select import DEFAULT_LAYERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model directory (default: build the random ones)")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     parser.add_argument("--rows", type=int, default=24)
-    parser.add_argument("--layers", default="eagle3,final")
+    parser.add_argument("--layers", default=DEFAULT_LAYERS)
     parser.add_argument("--tolerance-factor", type=float, default=4.0)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
