@@ -11,6 +11,7 @@ import xxhash
 import hsstore
 import hsstore.dataset.sample_checks
 from hsstore import LayerSpec
+from hsstore.dataset import batch_reads
 from hsstore.errors import IntegrityError
 from hsstore.spec import sample_index
 from hsstore.spec.sample_index import span_checksums
@@ -81,7 +82,7 @@ def _batch(ds):
         placed.append((i, at))
         at += ds.num_tokens_of(i)
     unchecked: list[tuple[int, int]] = []
-    assert ds.read_hidden_many_into(out, placed, unchecked=unchecked) == len(ds)
+    assert batch_reads.read_hidden_many_into(ds, out, placed, unchecked=unchecked) == len(ds)
     return out, unchecked
 
 
@@ -96,7 +97,7 @@ def test_a_clean_batch_is_checked_in_one_call(tmp_path, tier, monkeypatch):
         raise AssertionError("a sample hashed on its own")
 
     monkeypatch.setattr(hsstore.dataset.sample_checks.xxhash, "xxh3_64", per_sample)
-    ds.check_decoded(out, unchecked)
+    batch_reads.check_decoded(ds, out, unchecked)
 
 
 @pytest.mark.parametrize("one_call", [True, False])
@@ -110,5 +111,5 @@ def test_a_damaged_sample_of_a_batch_is_named(tmp_path, tier, one_call, monkeypa
     for i, first in unchecked[7], unchecked[3]:  # two damaged: the first checked is named
         rows[first + ds.num_tokens_of(i) - 1, -1] ^= 0x10
     with pytest.raises(IntegrityError, match="sample checksum mismatch") as caught:
-        ds.check_decoded(out, unchecked)
+        batch_reads.check_decoded(ds, out, unchecked)
     assert caught.value.sample_id == ds.sample_ids[unchecked[3][0]]

@@ -21,6 +21,7 @@ import hsstore.loader.fetch as fetch
 import hsstore.segment.rows as segment_rows
 import hsstore.storage.local_store as local_store
 from hsstore import LayerSpec
+from hsstore.dataset import batch_reads
 from hsstore.errors import IntegrityError
 from hsstore.loader import Loader
 from hsstore.storage._pread_many import pread_spans
@@ -161,7 +162,7 @@ def _read_all(ds: hsstore.Dataset, unchecked: list | None) -> torch.Tensor:
     for i in reversed(range(len(ds))):
         placed.append((i, at))
         at += ds.num_tokens_of(i)
-    assert ds.read_hidden_many_into(out, placed, unchecked=unchecked) == len(ds)
+    assert batch_reads.read_hidden_many_into(ds, out, placed, unchecked=unchecked) == len(ds)
     return out
 
 
@@ -207,17 +208,17 @@ class _ShortOnce(LocalStorage):
 def test_samples_a_batch_read_did_not_get_whole_are_read_again_alone(raw, monkeypatch):
     want = _expected(raw)
     alone: list[int] = []
-    read_alone = hsstore.dataset.dataset.Dataset._read_alone
+    read_alone = batch_reads._read_alone
 
-    def spy(self, np_out, i, first):
+    def spy(ds, np_out, i, first):
         alone.append(i)
-        return read_alone(self, np_out, i, first)
+        return read_alone(ds, np_out, i, first)
 
-    monkeypatch.setattr(hsstore.dataset.dataset.Dataset, "_read_alone", spy)
+    monkeypatch.setattr(batch_reads, "_read_alone", spy)
     ds = hsstore.open(_ShortOnce(raw.path, whole=20))
     unchecked: list[tuple[int, int]] = []
     assert torch.equal(_read_all(ds, unchecked), want)
-    ds.check_decoded(want, unchecked)
+    batch_reads.check_decoded(ds, want, unchecked)
     # The samples from the one whose range failed on were read alone, each once.
     assert len(alone) == len(set(alone)) and 0 < len(alone) < len(raw)
 
@@ -241,14 +242,13 @@ def test_a_flipped_byte_in_an_uncompressed_batch_names_its_sample(tmp_path, defe
     unchecked: list[tuple[int, int]] | None = [] if deferred else None
     with pytest.raises(IntegrityError, match=f"s{victim}") as caught:
         out = _read_all(ds, unchecked)
-        ds.check_decoded(out, unchecked or [])
+        batch_reads.check_decoded(ds, out, unchecked or [])
     assert "checksum" in str(caught.value)
 
 
 def test_the_loader_reads_uncompressed_batches_on_its_pipeline_thread(raw, monkeypatch):
     """With one decode thread and a core to spare, the producer plans each batch and the
     pipeline's thread reads it, in a few calls per batch: the batches are the dataset's."""
-    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
     monkeypatch.setattr(segment_rows, "HANDED_OFF_READ_BYTES", 5000)
     readers: list[str] = []
     read_many_into = LocalStorage.read_many_into
@@ -258,7 +258,8 @@ def test_the_loader_reads_uncompressed_batches_on_its_pipeline_thread(raw, monke
         return read_many_into(self, reads, into)
 
     monkeypatch.setattr(LocalStorage, "read_many_into", spy)
-    loader = Loader(raw.path, max_tokens=200, shuffle=True, seed=1, num_threads=1)
+    loader = Loader(raw.path, max_tokens=200, shuffle=True, seed=1, num_threads=1,
+                    decode_path="pipelined")  # fmt: skip
     seen = []
     for batch in loader:
         states, at = batch["per_layer_hidden_states"][0], 0
@@ -274,21 +275,20 @@ def test_the_loader_reads_uncompressed_batches_on_its_pipeline_thread(raw, monke
 def test_the_checker_verifies_samples_while_the_pipeline_reads_the_rest(raw, monkeypatch):
     """Each sample of a batch checked once, on the checker's thread, in parts as the
     pipeline's reads end rather than the whole batch after its last read."""
-    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
     monkeypatch.setattr(segment_rows, "HANDED_OFF_READ_BYTES", 1)  # a read per sample
     per_batch: list[list[list[int]]] = []  # the checker's calls for each batch, in order
-    check_after, check_decoded = fetch.BatchFetcher._check_after, hsstore.Dataset.check_decoded
+    check_after, check_decoded = fetch.BatchFetcher._check_after, batch_reads.check_decoded
 
     def batch_spy(self, *args):
         per_batch.append([])
         return check_after(self, *args)
 
-    def spy(self, out, unchecked):
+    def spy(ds, out, unchecked):
         unchecked = list(unchecked)
         assert threading.current_thread().name.startswith("hsstore-check")
         if unchecked:
             per_batch[-1].append([i for i, _ in unchecked])
-        return check_decoded(self, out, unchecked)
+        return check_decoded(ds, out, unchecked)
 
     read_many_into = LocalStorage.read_many_into
 
@@ -297,9 +297,10 @@ def test_the_checker_verifies_samples_while_the_pipeline_reads_the_rest(raw, mon
         return read_many_into(self, reads, into)
 
     monkeypatch.setattr(fetch.BatchFetcher, "_check_after", batch_spy)
-    monkeypatch.setattr(hsstore.Dataset, "check_decoded", spy)
+    monkeypatch.setattr(batch_reads, "check_decoded", spy)
     monkeypatch.setattr(LocalStorage, "read_many_into", slow_read)
-    loader = Loader(raw.path, max_tokens=400, shuffle=True, seed=2, num_threads=1)
+    loader = Loader(raw.path, max_tokens=400, shuffle=True, seed=2, num_threads=1,
+                    decode_path="pipelined")  # fmt: skip
     delivered = [batch["sample_index"].tolist() for batch in loader]
     loader.close()  # (the next epoch's first batches may be decoded and checked by now)
     assert len(delivered) > 1
@@ -309,10 +310,10 @@ def test_the_checker_verifies_samples_while_the_pipeline_reads_the_rest(raw, mon
 
 
 def test_a_flipped_byte_is_named_by_the_loader_that_checks_as_it_reads(tmp_path, monkeypatch):
-    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
     monkeypatch.setattr(segment_rows, "HANDED_OFF_READ_BYTES", 2000)
     _flip_a_byte_of(_dataset(tmp_path / "ds"), 23)
-    loader = Loader(tmp_path / "ds", max_tokens=400, shuffle=True, seed=2, num_threads=1)
+    loader = Loader(tmp_path / "ds", max_tokens=400, shuffle=True, seed=2, num_threads=1,
+                    decode_path="pipelined")  # fmt: skip
     with pytest.raises(IntegrityError, match="s23") as caught:
         for _ in loader:
             pass

@@ -13,11 +13,11 @@ import torch
 
 import hsstore
 import hsstore.loader.chunk_pipeline as chunk_pipeline
-import hsstore.loader.fetch as fetch
 from hsstore import LayerSpec
 from hsstore.codec.codecs import ChunkCodec
 from hsstore.errors import IntegrityError
 from hsstore.loader import Loader
+from hsstore.segment.row_reads import HandedOff
 from hsstore.spec.dtypes import storage_view
 from hsstore.storage import damage
 from hsstore.storage.local_store import LocalStorage
@@ -28,10 +28,10 @@ LAYERS = [LayerSpec(depth=d) for d in (1, 2, 3, 4)]
 ROWS_PER_CHUNK = 8
 
 
-@pytest.fixture(autouse=True)
-def spare_core(monkeypatch):
-    """A core to spare whatever this machine has: the fetcher then runs the pipeline."""
-    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)
+def _loader(*args, **options) -> Loader:
+    """A loader on the pipelined path whatever this machine's cores: with one decode thread,
+    the fetcher then runs the chunk pipeline."""
+    return Loader(*args, decode_path="pipelined", **options)
 
 
 def _dataset(path: Path, tier: str | None = None) -> hsstore.Dataset:
@@ -61,7 +61,7 @@ def compressed(tmp_path_factory) -> hsstore.Dataset:
 
 
 def _epoch(path, threads: int) -> tuple[list[dict], set[str]]:
-    loader = Loader(path, max_tokens=128, shuffle=True, seed=3, num_threads=threads)
+    loader = _loader(path, max_tokens=128, shuffle=True, seed=3, num_threads=threads)
     out, names = [], set()
     for batch in loader:
         names |= {t.name for t in threading.enumerate()}
@@ -99,7 +99,7 @@ def test_some_layers_of_an_uncompressed_dataset_go_through_buffers_made_on_first
             w.add(f"s{i}", torch.arange(20), torch.ones(20, dtype=torch.int64), states)
     ds = hsstore.open(path)
     opts = {"max_tokens": 64, "shuffle": False, "aux_layers": [0, 2], "verifier": False}
-    loader = Loader(path, num_threads=1, **opts)
+    loader = _loader(path, num_threads=1, **opts)
     got = [batch["per_layer_hidden_states"].clone() for batch in loader]
     loader.close()
     want = torch.cat([ds.read(i).hidden[:, [0, 2]] for i in range(len(ds))])
@@ -163,7 +163,7 @@ def test_a_run_cut_into_parts_keeps_every_chunk_in_order(compressed):
     first = int(compressed.index.column("row_offset")[3])
     runs = []
     out = np.zeros((rows, len(LAYERS), H), dtype=np.uint16)
-    reader.read_rows(first, first + rows, None, out, crc=True, runs_to=runs.append)
+    reader.read_rows(first, first + rows, None, out, HandedOff(runs.append))
     assert runs and not out.any()  # planned, not yet read
     for run in runs:
         parts = run.split(2 * run.plan[0][3])
@@ -191,7 +191,7 @@ def test_a_corrupted_compressed_sample_is_named_whichever_thread_checks_it(tmp_p
     at = offset + nbytes // 2  # inside the chunk's compressed streams
     data[at : at + 4] = bytes(b ^ 0x5A for b in data[at : at + 4])
     shard.write_bytes(bytes(data))
-    loader = Loader(ds.path, max_tokens=128, shuffle=False, num_threads=threads)
+    loader = _loader(ds.path, max_tokens=128, shuffle=False, num_threads=threads)
     with pytest.raises(IntegrityError) as caught:
         for _ in loader:
             pass
@@ -205,7 +205,7 @@ def test_a_chunk_the_decode_thread_cannot_decode_names_its_sample(tmp_path):
     data[offset : offset + 16] = bytes(16)  # the frame's header: the codec refuses it
     shard.write_bytes(bytes(data))
     with pytest.raises(IntegrityError) as caught:
-        for _ in Loader(ds.path, max_tokens=128, shuffle=False, num_threads=1):
+        for _ in _loader(ds.path, max_tokens=128, shuffle=False, num_threads=1):
             pass
     assert caught.value.sample_id == "s7"
     assert str(shard) in str(caught.value)
@@ -227,13 +227,13 @@ def test_a_read_failing_on_the_producer_names_its_sample(tmp_path, monkeypatch):
         ds.read(i)
     broken.set()
     with pytest.raises(IntegrityError, match="I/O error") as caught:
-        for _ in Loader(ds, max_tokens=128, shuffle=False, num_threads=1):
+        for _ in _loader(ds, max_tokens=128, shuffle=False, num_threads=1):
             pass
     assert caught.value.sample_id == "s0"
 
 
 def test_closing_mid_epoch_stops_the_decode_thread(compressed):
-    loader = Loader(compressed.path, max_tokens=128, shuffle=True, seed=1, num_threads=1)
+    loader = _loader(compressed.path, max_tokens=128, shuffle=True, seed=1, num_threads=1)
     batches = iter(loader)
     next(batches)
     assert any(t.name.startswith("hsstore-decode") for t in threading.enumerate())

@@ -95,7 +95,6 @@ def test_stale_padding_zeroed_on_the_checker_before_the_batch_is_delivered(
     """A short batch in a buffer a long one used has its stale rows zeroed on the checker
     thread while its samples decode; the batch arrives only once they are zero (and, fp8,
     only then dequantized: padding dequantizes to zero)."""
-    monkeypatch.setattr(fetch, "usable_cores", lambda: 4)  # a checker thread
     monkeypatch.setattr(fetch, "_ZERO_HERE_BYTES", 1)  # every stale row handed off
     zeroed_on: list[str] = []
     zero_rows = fetch._zero_rows
@@ -115,7 +114,8 @@ def test_stale_padding_zeroed_on_the_checker_before_the_batch_is_delivered(
             states = torch.randn(t, len(LAYERS), H, generator=g).to(torch.bfloat16)
             w.add(f"s{i}", torch.randint(0, 50, (t,), generator=g), torch.ones(t, dtype=torch.int64), states)  # fmt: skip
     ds = hsstore.open(ds.path)
-    loader = Loader(ds.path, max_tokens=MAX_TOKENS, shuffle=False, num_threads=1, prefetch=2)
+    loader = Loader(ds.path, max_tokens=MAX_TOKENS, shuffle=False, num_threads=1, prefetch=2,
+                    decode_path="pipelined")  # a checker thread  # fmt: skip
     for batch in loader:
         used = int(batch["lengths"].sum())
         assert torch.all(batch["per_layer_hidden_states"][0, used:] == 0)

@@ -14,7 +14,8 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.segment import reader as segment_module
+from hsstore.dataset import batch_reads
+from hsstore.segment import row_reads
 from tools.synthetic import random_sample
 
 # 128-byte rows, 16-row chunks, 128-row shards: the 520-row sample spans 33 chunks in 5 shards.
@@ -25,7 +26,7 @@ BIG = "s2"
 @pytest.fixture(autouse=True)
 def small_shares(monkeypatch):
     """Shares of a few chunks, so these small samples are split as LLM-sized ones are."""
-    monkeypatch.setattr(segment_module, "PARALLEL_MIN_BYTES", 1024)
+    monkeypatch.setattr(row_reads, "PARALLEL_MIN_BYTES", 1024)
 
 
 def _build(
@@ -51,7 +52,7 @@ def _build(
 def _shares_of(ds: hsstore.Dataset, sample_id: str, threads: int) -> list[tuple[int, int]]:
     i = ds.position(sample_id)
     row = ds.index.column("row_offset")[i].as_py()
-    return ds._readers[0]._shares(row, row + ds.num_tokens_of(i), threads)
+    return row_reads.shares_of(ds.segment_reader(0), row, row + ds.num_tokens_of(i), threads)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
@@ -85,7 +86,7 @@ def test_a_busy_pool_leaves_the_shares_to_the_caller(tmp_path):
     fails: the caller takes back the shares still queued and decodes them itself."""
     written = _build(tmp_path / "ds")
     ds = hsstore.open(tmp_path / "ds", read_threads=4)
-    pool = segment_module._READ_POOL.get(3)
+    pool = row_reads._READ_POOL.get(3)
     release = threading.Event()
     holders = [pool.submit(release.wait, 60) for _ in range(3)]
     try:
@@ -125,12 +126,12 @@ def test_one_thread_and_batch_reads_never_use_the_pool(tmp_path, monkeypatch):
     """read_threads=1 decodes on the caller only; so do batch reads, whose caller (the loader)
     runs its own threads."""
     written = _build(tmp_path / "ds")
-    monkeypatch.setattr(segment_module._READ_POOL, "get", _no_pool)
+    monkeypatch.setattr(row_reads._READ_POOL, "get", _no_pool)
     ds = hsstore.open(tmp_path / "ds", read_threads=1)
     assert torch.equal(ds.get(BIG).hidden.view(torch.int16), written[2].view(torch.int16))
     ds4 = hsstore.open(tmp_path / "ds", read_threads=4)
     out = torch.empty(LENGTHS[2], 2, 32, dtype=torch.bfloat16)
-    assert ds4.read_hidden_many_into(out, [(ds4.position(BIG), 0)]) == 1
+    assert batch_reads.read_hidden_many_into(ds4, out, [(ds4.position(BIG), 0)]) == 1
     assert torch.equal(out.view(torch.int16), written[2].view(torch.int16))
     with pytest.raises(AssertionError, match="read pool"):
         ds4.get(BIG)  # the check above can fail

@@ -11,6 +11,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.dataset import batch_reads
 from hsstore.spec.sealing import seal_document
 from tools.synthetic import random_sample
 
@@ -117,7 +118,7 @@ def test_shard_shortened_after_its_index_was_read(tmp_path, codec):
     assert str(shard) in str(info.value) and info.value.sample_id == "s0"
     batch = torch.empty(sum(LENGTHS), 2, 32, dtype=torch.bfloat16)
     with pytest.raises(hsstore.IntegrityError, match="truncated") as info:
-        ds.read_hidden_many_into(batch, [(1, 0), (0, LENGTHS[1])], unchecked=[])
+        batch_reads.read_hidden_many_into(ds, batch, [(1, 0), (0, LENGTHS[1])], unchecked=[])
     assert str(shard) in str(info.value) and info.value.sample_id == "s1"
     assert before.shape[0] == LENGTHS[0]
 

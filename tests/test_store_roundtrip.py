@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.dataset import batch_reads
 from hsstore.spec.dtypes import storage_view
 from tools.synthetic import llm_like_states, random_sample
 
@@ -108,7 +109,7 @@ def test_read_hidden_many_into_places_each_sample_at_its_row(tmp_path, codec):
     ds = hsstore.open(tmp_path / "ds")
     out = torch.full((30, 3, 16), 7.0, dtype=torch.bfloat16)
     placed = [(3, 0), (0, 20), (-3, 25), (2, 10)]  # -3: sample 1, from the end
-    assert ds.read_hidden_many_into(out, iter(placed)) == 4
+    assert batch_reads.read_hidden_many_into(ds, out, iter(placed)) == 4
     for i, row in placed:
         assert _bits(out[row : row + lengths[i]]) == _bits(states[i])
     untouched = torch.ones(30, dtype=torch.bool)
@@ -116,16 +117,16 @@ def test_read_hidden_many_into_places_each_sample_at_its_row(tmp_path, codec):
         untouched[row : row + lengths[i]] = False
     assert bool((out[untouched] == 7.0).all())  # nothing outside the placed rows
     picked = torch.empty(9, 2, 16, dtype=torch.bfloat16)
-    assert ds.read_hidden_many_into(picked, [(2, 0)], layers=[2, 0]) == 1
+    assert batch_reads.read_hidden_many_into(ds, picked, [(2, 0)], layers=[2, 0]) == 1
     assert _bits(picked) == _bits(states[2][:, [2, 0]])
     with pytest.raises(hsstore.BadInputError, match="overruns"):
-        ds.read_hidden_many_into(out, [(2, 22)])  # 9 tokens from row 22 of 30
+        batch_reads.read_hidden_many_into(ds, out, [(2, 22)])  # 9 tokens from row 22 of 30
     with pytest.raises(IndexError, match="sample 4 out of range"):
-        ds.read_hidden_many_into(out, [(4, 0)])
+        batch_reads.read_hidden_many_into(ds, out, [(4, 0)])
     with pytest.raises(hsstore.BadInputError, match=r"out must be \[rows, 3, 16\]"):
-        ds.read_hidden_many_into(out[:, :2], [(0, 0)])
+        batch_reads.read_hidden_many_into(ds, out[:, :2], [(0, 0)])
     with pytest.raises(hsstore.BadInputError, match="contiguous CPU bfloat16"):
-        ds.read_hidden_many_into(out.float(), [(0, 0)])
+        batch_reads.read_hidden_many_into(ds, out.float(), [(0, 0)])
 
 
 def test_read_tokens_many_is_the_per_sample_heads_back_to_back(tmp_path):

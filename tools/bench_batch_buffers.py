@@ -50,6 +50,7 @@ import xxhash  # noqa: E402
 
 import hsstore  # noqa: E402
 from hsstore import LayerSpec  # noqa: E402
+from hsstore.dataset import batch_reads  # noqa: E402
 from hsstore.loader import Loader  # noqa: E402
 from hsstore.loader.collate import host_memory  # noqa: E402
 from hsstore.spec import paths  # noqa: E402
@@ -210,8 +211,8 @@ def run(ds: hsstore.Dataset, args: argparse.Namespace) -> dict[str, float]:
 
     def many_ring() -> None:
         for j, batch in enumerate(plan_positions()):
-            ds.read_hidden_many_into(ring[j % len(ring)].view(MAX_TOKENS, len(ds.layers), -1),
-                                     batch)  # fmt: skip
+            rows = ring[j % len(ring)].view(MAX_TOKENS, len(ds.layers), -1)
+            batch_reads.read_hidden_many_into(ds, rows, batch)
 
     def loader_epoch(which: Loader = loader) -> None:
         which.set_epoch(epoch[0])

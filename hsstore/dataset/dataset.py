@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,6 @@ from hsstore.dataset.joined_index import JoinedIndex
 from hsstore.dataset.sample import Sample
 from hsstore.dataset.sample_checks import (
     check_sample,
-    check_samples,
     hand_off_as_sample,
     raise_as_sample_error,
     token_columns,
@@ -35,7 +34,17 @@ from hsstore.errors import (
     HsstoreError,
 )
 from hsstore.segment.reader import SegmentReader
-from hsstore.segment.rows import PlannedRead, RawSamplesRead
+from hsstore.segment.row_reads import (
+    CHUNK_CHECKED,
+    CHUNKS_UNCHECKED,
+    STREAMED,
+    STREAMED_UNCHECKED,
+    HandedOff,
+    Hashed,
+    InShares,
+    RowRead,
+)
+from hsstore.segment.rows import PlannedRead
 from hsstore.segment.stats import LayerStats, merge_layer_stats
 from hsstore.spec.dtypes import storage_view
 from hsstore.spec.layers import LayerSpec
@@ -65,8 +74,7 @@ class Dataset:
 
     read_threads: how many threads one `read` or `read_hidden_into` of a large compressed
     sample decodes on (shares of at least 1 MiB of its chunks, the calling thread taking one);
-    default `default_read_threads`. 1 decodes on the calling thread only. Batch reads
-    (`read_hidden_many_into`) always decode on the calling thread: the loader runs its own.
+    default `default_read_threads`. 1 decodes on the calling thread only.
     """
 
     def __init__(
@@ -287,65 +295,6 @@ class Dataset:
         self._read_into(i, layer_list, out, values, threads=self.read_threads)
         return out
 
-    def read_hidden_many_into(
-        self,
-        out: torch.Tensor,
-        placed: Iterable[tuple[int, int]],
-        *,
-        layers: Sequence[int] | None = None,
-        unchecked: list[tuple[int, int]] | None = None,
-        runs_to: Callable[[PlannedRead], None] | None = None,
-    ) -> int:
-        """Decode whole samples into the token rows of ``out`` ([R, len(layers), H], contiguous
-        CPU, the dataset's dtype): for every ``(i, row)`` drawn from ``placed``, sample ``i``
-        lands in ``out[row : row + T_i]``. Returns how many samples were read.
-
-        The same bytes and checks as `read_hidden_into` per sample, the checks of ``out`` done
-        once; all layers of uncompressed segments whose checksums are left to the caller (or
-        not verified) are read a few MiB of samples at a time (`RawSamplesRead`). ``placed``
-        is drawn a pair at a time, as each is planned, so threads drawing from one shared
-        queue split a batch between them. With an ``unchecked`` list, sample checksums are left
-        to `check_decoded`, ``(position, row)`` appended for each; with ``runs_to``, compressed
-        chunks and uncompressed samples are handed to it to be read (and decoded) there
-        (`SegmentReader.read_rows`, `RawSamplesRead.flush`)."""
-        layer_list = self._check_layers(layers)
-        values = self._check_out(out, layer_list, None, values_ok=True)
-        np_out = None if values else storage_view(out)
-        defer = unchecked is not None and not values and self.verify_reads and layer_list is None
-        raw = None  # checked later or never: then a few MiB at a time, else hashed as they land
-        if np_out is not None and layer_list is None and (defer or not self.verify_reads):
-            read_one = functools.partial(self._read_alone, np_out)
-            raw = RawSamplesRead(self.storage, np_out, read_one, runs_to)
-        done = 0
-        for i, first in placed:
-            i = self._index.position(i)
-            n = int(self._index.len[i])
-            if not 0 <= first <= out.shape[0] - n:  # a slice would silently shrink
-                raise BadInputError(
-                    f"sample {i} ({n} tokens) at row {first} overruns out ({out.shape[0]} rows)",
-                    path=str(self.path),
-                )
-            if defer:
-                unchecked.append((i, first))  # type: ignore[union-attr]
-            reader = self._readers[self._index.segment[i]]
-            if raw is not None and reader.raw_rows:
-                row = int(self._index.row[i])
-                if raw.add(reader, row, row + n, i, first):
-                    raw = raw.flush()
-            elif np_out is None:
-                self._read_into(i, layer_list, out[first : first + n], values)
-            else:
-                self._decode(i, layer_list, np_out[first : first + n], deferred=defer,
-                             runs_to=runs_to, stream=True)  # fmt: skip
-            done += 1
-        if raw is not None:
-            raw.flush()
-        return done
-
-    def _read_alone(self, np_out: np.ndarray, i: int, first: int) -> None:
-        """Sample ``i`` read alone into ``np_out[first:]``, its checksum left to the caller."""
-        self._decode(i, None, np_out[first : first + int(self._index.len[i])], deferred=True)
-
     def read(
         self, i: int, *, layers: Sequence[int] | None = None, out: torch.Tensor | None = None
     ) -> Sample:
@@ -437,21 +386,34 @@ class Dataset:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Decode sample ``i``'s states into ``np_out`` (its storage-dtype view) and verify the
         sample checksum when reads are verified and all layers are read, unless the caller
-        checks it later (``deferred``: `check_decoded`). Returns its token columns and scales,
-        read only when ``columns`` or the checksum needs them (else empty). ``stream``: the
-        states go to a batch, written around the caches unless hashed as they land."""
+        checks it later (``deferred``: `hsstore.dataset.batch_reads.check_decoded`). Returns
+        its token columns and scales, read only when ``columns`` or the checksum needs them
+        (else empty). The read's strategy (`hsstore.segment.row_reads`) is chosen here, once:
+        hashed as the rows land where the checksum is taken now, else each chunk checked
+        against its crc32c (not where a deferred checksum covers the decoded bytes); in
+        ``threads`` shares for one large sample, handed to ``runs_to`` for a loader's pipeline,
+        or (``stream``, a batch) written around the caches."""
         reader = self._readers[self._index.segment[i]]
         row, n = int(self._index.row[i]), int(self._index.len[i])
         checked = self.verify_reads and layers is None
         hasher = xxhash.xxh3_64() if checked and not deferred else None
-        # A deferred check covers the decoded bytes, as the sample checksum always does.
-        crc = False if checked and deferred else None
         cols: tuple[np.ndarray, np.ndarray, np.ndarray | None] = (_NO_ROWS, _NO_ROWS, None)
         where = (self.storage, reader, self.sample_ids[i])
+        how: RowRead
+        if hasher is not None:
+            how = InShares(threads, hasher) if threads > 1 else Hashed(hasher)
+        else:
+            crc = not checked
+            if runs_to is not None:
+                how = HandedOff(functools.partial(hand_off_as_sample, runs_to, where), crc, stream)
+            elif threads > 1:
+                how = InShares(threads, crc=crc)
+            elif stream:
+                how = STREAMED if crc else STREAMED_UNCHECKED
+            else:
+                how = CHUNK_CHECKED if crc else CHUNKS_UNCHECKED
         try:  # not a context manager: on small samples this runs once per sample of a batch
-            hand_off = runs_to and functools.partial(hand_off_as_sample, runs_to, where)
-            reader.read_rows(row, row + n, layers, np_out, hasher=hasher, crc=crc,
-                             threads=threads, runs_to=hand_off, stream=stream)  # fmt: skip
+            reader.read_rows(row, row + n, layers, np_out, how)
             if columns or hasher is not None:
                 cols = token_columns(reader, row, n)
             if hasher is not None:
@@ -459,11 +421,6 @@ class Dataset:
         except (HsstoreError, OSError) as exc:
             raise_as_sample_error(exc, *where)
         return cols
-
-    def check_decoded(self, out: torch.Tensor, unchecked: Iterable[tuple[int, int]]) -> None:
-        """Verify the sample checksums that `read_hidden_many_into` left to the caller: sample
-        ``i`` decoded into ``out[row:]`` for each ``(i, row)`` of ``unchecked``."""
-        check_samples(storage_view(out), unchecked, self._index, self._readers, self.sample_ids)
 
     # -- writing -------------------------------------------------------------------------------
     def writer(

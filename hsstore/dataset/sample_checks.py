@@ -1,8 +1,8 @@
 """The whole-sample checksum of a decoded sample, checked in one place: by a read that hashes
 the states as they land (`Dataset.read_hidden_into`) and by a batch read that leaves the check
-to a thread of its own (`Dataset.check_decoded`, the loader's checker, which hashes a batch in
-one call without the GIL, so that the threads reading the next batch and training on the last
-one never wait for it)."""
+to a thread of its own (`hsstore.dataset.batch_reads.check_decoded`, the loader's checker,
+which hashes a batch in one call without the GIL, so that the threads reading the next batch
+and training on the last one never wait for it)."""
 
 from __future__ import annotations
 

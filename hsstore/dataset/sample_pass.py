@@ -27,6 +27,7 @@ from hsstore.dataset.joined_index import JoinedIndex
 from hsstore.dataset.sample_checks import failing_samples, token_columns
 from hsstore.errors import HsstoreError, IntegrityError
 from hsstore.segment.reader import SegmentReader
+from hsstore.segment.row_reads import HandedOff, InShares
 from hsstore.segment.rows import ShardRun
 from hsstore.spec.manifest import Manifest
 from hsstore.spec.sample_index import finish_checksum
@@ -84,7 +85,7 @@ class _Segment:
             return everyone if self._fails_alone(a, out) else everyone[:0]
         try:
             # No chunk crc: each sample's checksum covers its decoded bytes.
-            self.reader.read_rows(lo, hi, None, out, crc=False, runs_to=_read_as_one)
+            self.reader.read_rows(lo, hi, None, out, HandedOff(_read_as_one, crc=False))
         except (HsstoreError, OSError):
             return everyone
         failing = failing_samples(out, everyone, self.index.row[a:b] - lo, self.index,
@@ -99,7 +100,7 @@ class _Segment:
         row, n = int(self.index.row[k]), int(self.index.len[k])
         hasher = xxhash.xxh3_64()
         try:
-            self.reader.read_rows(row, row + n, None, out, hasher=hasher, threads=self.threads)
+            self.reader.read_rows(row, row + n, None, out, InShares(self.threads, hasher))
             columns = token_columns(self.reader, row, n)
         except (HsstoreError, OSError):
             return True

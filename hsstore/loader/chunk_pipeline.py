@@ -1,16 +1,16 @@
 """One decode thread that does nothing but decode: a batch planned on the thread that plans
 it, and its bytes decoded (compressed) or read (uncompressed) on a thread of their own.
 
-With one decode thread and a core to spare, the producer plans each batch's reads
-(`PlannedRead`, from `Dataset.read_hidden_many_into` with ``runs_to``). Compressed chunks are
-planned shard by shard (`ShardRun`): the producer reads their bytes into buffers of its own
-(`Storage.read_ranges` into them) and queues each filled buffer; the decode thread decodes its
-chunks into the batch and hands the buffer back. The buffers are few and reused (`BUFFERS` of
-`BUFFER_BYTES`): a producer that far ahead waits for one to come back, and the decode thread
-finds each chunk freshly read, in the shared cache. Uncompressed samples are planned a few MiB
-at a time (`RawSamplesRead`) and read straight into the batch on the decode thread, in calls
-that hold no interpreter lock. Everything else a batch needs (planning, padding, token columns,
-hints) then runs beside the decoding rather than between its chunks.
+With one decode thread on the fetcher's pipelined path, the producer plans each batch's reads
+(`PlannedRead`, from `hsstore.dataset.batch_reads.read_hidden_many_into` with ``runs_to``).
+Compressed chunks are planned shard by shard (`ShardRun`): the producer reads their bytes into
+buffers of its own (`Storage.read_ranges` into them) and queues each filled buffer; the decode
+thread decodes its chunks into the batch and hands the buffer back. The buffers are few and
+reused (`BUFFERS` of `BUFFER_BYTES`): a producer that far ahead waits for one to come back, and
+the decode thread finds each chunk freshly read, in the shared cache. Uncompressed samples are
+planned a few MiB at a time (`RawSamplesRead`) and read straight into the batch on the decode
+thread, in calls that hold no interpreter lock. Everything else a batch needs (planning,
+padding, token columns, hints) then runs beside the decoding rather than between its chunks.
 """
 
 from __future__ import annotations

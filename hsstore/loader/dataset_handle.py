@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 
 from hsstore.codec import fp8, tiers
+from hsstore.dataset import batch_reads
 from hsstore.dataset.dataset import Dataset
 from hsstore.dataset.dataset import open as open_dataset
 from hsstore.errors import BadInputError
@@ -202,15 +203,21 @@ class DatasetSource:
         at ``out[row:]`` for every ``(i, row)`` drawn from ``placed``, their checksums left
         to `check_decoded` when ``unchecked`` is given, their compressed chunks decoded and
         their uncompressed rows read by ``runs_to`` when it is
-        (`Dataset.read_hidden_many_into`)."""
+        (`hsstore.dataset.batch_reads.read_hidden_many_into`)."""
         whole = layers == self._all_layers
-        return self.ds.read_hidden_many_into(
-            out, placed, layers=None if whole else layers, unchecked=unchecked, runs_to=runs_to
+        return batch_reads.read_hidden_many_into(
+            self.ds,
+            out,
+            placed,
+            layers=None if whole else layers,
+            unchecked=unchecked,
+            runs_to=runs_to,
         )
 
     def check_decoded(self, out: torch.Tensor, unchecked: list[tuple[int, int]]) -> None:
-        """Verify the checksums `read_hidden_many_into` left (`Dataset.check_decoded`)."""
-        self.ds.check_decoded(out, unchecked)
+        """Verify the checksums `read_hidden_many_into` left
+        (`hsstore.dataset.batch_reads.check_decoded`)."""
+        batch_reads.check_decoded(self.ds, out, unchecked)
 
 
 def _data_fingerprint(index: pa.Table) -> int:

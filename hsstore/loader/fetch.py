@@ -8,20 +8,21 @@ on small samples a future, a thread wake-up and a GIL hand-off per sample cost a
 reading the sample. The tasks claim the batch's samples one at a time, in storage order, so a
 chunk that two neighbouring samples share is decoded once and files are read forwards. While
 they run, the producer writes the batch's padding and gathers all its token columns at once.
-With a single decode thread there is no pool. Where a core is free besides it, the producer
-plans each batch (and reads its compressed chunks) and a thread of their own decodes the
-chunks or reads the uncompressed samples (`ChunkPipeline`), so that thread does nothing else;
-otherwise the producer decodes each batch itself, after its padding and token columns.
+With a single decode thread there is no pool. On the pipelined path (``decode_path``, chosen
+once by `resolve_decode_path`) the producer plans each batch (and reads its compressed chunks)
+and a thread of their own decodes the chunks or reads the uncompressed samples
+(`ChunkPipeline`), so that thread does nothing else; inline, the producer decodes each batch
+itself, after its padding and token columns.
 
-Where the decode threads leave a core free, a checker thread verifies the whole-sample
-checksums of a batch while the next one decodes (`Dataset.check_decoded`); a batch reaches the
-consumer only once every sample in it passed. On cores the decode threads keep busy it does not
-run: hashing right after decoding, while the bytes are in cache, costs less than hashing them
-again later. Padding is written only where a buffer may hold stale rows
-(``HostBuffers.clean_from``). Before a batch is decoded, the next one's samples are handed to
-the storage (`Dataset.will_read`): on local disk their chunks come in from the device while
-this batch decodes. At most ``prefetch`` batches wait in the output queue, so memory is bounded
-by ``(prefetch + 2)`` batch buffers whatever the speed of the consumer.
+On the pipelined path a checker thread verifies the whole-sample checksums of a batch while the
+next one decodes (`check_decoded`); a batch reaches the consumer only once every sample in it
+passed. Inline it does not run: on cores the decode threads keep busy, hashing right after
+decoding, while the bytes are in cache, costs less than hashing them again later. Padding is
+written only where a buffer may hold stale rows (``HostBuffers.clean_from``). Before a batch is
+decoded, the next one's samples are handed to the storage (`Dataset.will_read`): on local disk
+their chunks come in from the device while this batch decodes. At most ``prefetch`` batches
+wait in the output queue, so memory is bounded by ``(prefetch + 2)`` batch buffers whatever the
+speed of the consumer.
 
 The consumer's hand-off is kept free of thread wake-ups while the producer is ahead: waking
 the producer from inside ``__next__`` lets it take the consumer's core for a scheduler tick on
@@ -62,6 +63,12 @@ from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.dequant import dequantize_batch
 from hsstore.loader.shutdown import POLL_S, close_at_exit, put_unless_stopped
 
+# How a fetcher decodes (`resolve_decode_path`): "inline", every decode thread also hashes what
+# it decodes and nothing runs beside them; "pipelined", a checker thread verifies a batch's
+# checksums while the next one decodes and, with one decode thread, that thread only decodes
+# what the producer plans and reads for it (`ChunkPipeline`); "auto", pipelined where the decode
+# threads leave a core free.
+DECODE_PATHS = ("auto", "inline", "pipelined")
 _FIRST_POLL_S = 0.001
 # Less stale padding than this is zeroed by the producer: a hand-off costs as much.
 _ZERO_HERE_BYTES = 1 << 20
@@ -116,9 +123,12 @@ class BatchFetcher:
         ring: list[HostBuffers] | None = None,
         dequantize: bool = True,
         skip: frozenset[int] = frozenset(),
+        decode_path: str = "auto",
     ):
         if num_threads < 1 or prefetch < 1:
             raise ValueError("num_threads and prefetch must be >= 1")
+        self.decode_path = resolve_decode_path(decode_path, num_threads)
+        pipelined = self.decode_path == "pipelined"
         self.source, self.choice, self.shape = source, choice, shape
         self._layers = choice.read
         self._reuse, self._pin, self._dequantize = reuse_buffers, pin_memory, dequantize
@@ -144,18 +154,17 @@ class BatchFetcher:
             if num_threads > 1
             else None
         )
-        spare_core = num_threads < usable_cores()
         self._checker = (
             ThreadPoolExecutor(1, thread_name_prefix="hsstore-check")
-            if source.verify_reads and spare_core
+            if source.verify_reads and pipelined
             else None
         )
-        # One decode thread and a spare core: batches are planned by the producer and decoded
+        # One decode thread, pipelined: batches are planned by the producer and decoded
         # (compressed chunks) or read (uncompressed samples) on a thread that does nothing else
         # (`ChunkPipeline`).
         self._pipeline = (
             ChunkPipeline(self._stop, compressed=source.compressed)
-            if num_threads == 1 and spare_core
+            if num_threads == 1 and pipelined
             else None
         )
         self._thread = threading.Thread(
@@ -461,6 +470,22 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
+
+
+def check_decode_path(decode_path: str) -> None:
+    if decode_path not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
+
+
+def resolve_decode_path(decode_path: str, num_threads: int) -> str:
+    """The path (`DECODE_PATHS`) a fetcher with ``num_threads`` decode threads takes:
+    ``"inline"`` or ``"pipelined"`` as asked, and for ``"auto"`` pipelined exactly where the
+    decode threads leave one of this process's cores free (`usable_cores`), since the threads
+    beside them are then not competing with them for a core."""
+    check_decode_path(decode_path)
+    if decode_path != "auto":
+        return decode_path
+    return "pipelined" if num_threads < usable_cores() else "inline"
 
 
 def _zero_rows(stale: list[torch.Tensor]) -> None:

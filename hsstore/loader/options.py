@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hsstore.loader.fetch import BatchShape
+from hsstore.loader.fetch import BatchShape, check_decode_path
 from hsstore.loader.follow import FollowConfig
 from hsstore.loader.plan import PlanConfig
 
@@ -45,6 +45,8 @@ class LoaderOptions:
     world_size: int | None = None
     verify_reads: bool | None = None  # checksum every read (default: the dataset's, else True)
     skip_damaged: bool = False  # Loader: blank samples that fail their checks and go on
+    # how batches are decoded (fetch.DECODE_PATHS); every path yields the same batches
+    decode_path: str = "auto"
     # following a growing dataset (follow.FollowConfig)
     follow: bool = False
     follow_window: int = 256
@@ -57,6 +59,7 @@ class LoaderOptions:
         if self.aux_layers is not None:  # a list given keeps the options immutable as a tuple
             object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
         self.plan_config()  # refuse bad values here, where the caller passed them
+        check_decode_path(self.decode_path)
         self.follow_config()
 
     def plan_config(self) -> PlanConfig:

@@ -122,6 +122,8 @@ class PlannedEpochs:
                 )
         self.rank_plan = spec
         self.options = spec.options
+        # How the fetchers decode (LoaderOptions.decode_path), resolved by each fetcher.
+        self.decode_path = "auto" if spec.options is None else spec.options.decode_path
         self.source, self.config = spec.source, spec.config
         self.choice, self.shape = spec.choice, spec.shape
         self.rank, self.world_size = spec.rank, spec.world_size
@@ -338,6 +340,7 @@ class HiddenStateStream(PlannedEpochs, IterableDataset):
             reuse_buffers=self.reuse_buffers,
             dequantize=self.dequantize,
             skip=self.skip,
+            decode_path=self.decode_path,
         )
         try:
             for raw in fetcher:

@@ -354,6 +354,7 @@ class Loader(PlannedEpochs):
                 ring=self._ring,
                 dequantize=self.device is None,
                 skip=self.damaged.positions,
+                decode_path=self.decode_path,
             )
             last_epoch = None
         elif self.following:

@@ -77,7 +77,8 @@ class RawBatchStream(HiddenStateStream):
         fetcher = BatchFetcher(self.source, self.choice, self.shape, planned(),
                                num_threads=self.num_threads, prefetch=self.prefetch,
                                reuse_buffers=self.reuse_buffers,
-                               dequantize=self.dequantize, skip=self.skip)  # fmt: skip
+                               dequantize=self.dequantize, skip=self.skip,
+                               decode_path=self.decode_path)  # fmt: skip
         try:
             yield from fetcher
         finally:

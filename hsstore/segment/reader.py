@@ -8,64 +8,23 @@ for `verify`. Writing a segment is `hsstore.segment.writer`.
 from __future__ import annotations
 
 import json
-import os
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import xxhash
 
 from hsstore.codec import tiers
 from hsstore.codec.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError, HsstoreError, IntegrityError
-from hsstore.segment.rows import RowsRead, ShardRun, read_raw_rows
+from hsstore.segment.row_reads import CHUNK_CHECKED, RowRead
 from hsstore.spec import paths
 from hsstore.spec.manifest import FileInfo, Manifest, SegmentInfo
 from hsstore.spec.sample_index import INDEX_SCHEMA
 from hsstore.spec.segment_layout import CRC_BYTES, ShardIndex, decode_column
 from hsstore.storage.damage import read_io
 from hsstore.storage.store import Storage
-
-# A sample's read is split between threads only where each share decodes at least this much:
-# handing a share to a pool thread costs tens of microseconds, a MiB decodes in about 0.5 ms.
-PARALLEL_MIN_BYTES = 1 << 20
-
-
-class _ReadPool:
-    """The process's threads that decode shares of one sample's chunks beside the caller.
-
-    One pool for all datasets, created on first use and again in a forked child (a parent's
-    threads, and the state of its lock, do not carry over); it grows to the largest number of
-    helpers asked for. Its threads only decode and never wait on other tasks, and a caller
-    decodes itself any share still queued when it gets there, so any number of callers may
-    share it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._size = 0
-
-    def get(self, helpers: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._size < helpers:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False)  # running shares finish; new ones go here
-                self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="hsstore-read")
-                self._size = helpers
-            return self._pool
-
-    def forget(self) -> None:
-        """In a forked child: start afresh."""
-        self.__init__()  # type: ignore[misc]
-
-
-_READ_POOL = _ReadPool()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_READ_POOL.forget)
 
 
 class SegmentReader:
@@ -273,64 +232,13 @@ class SegmentReader:
         stop: int,
         layers: Sequence[int] | None,
         out: np.ndarray,
-        *,
-        hasher: xxhash.xxh3_64 | None = None,
-        crc: bool | None = None,
-        threads: int = 1,
-        runs_to: Callable[[ShardRun], None] | None = None,
-        stream: bool = False,
+        how: RowRead = CHUNK_CHECKED,
     ) -> None:
-        """Decode rows [start, stop) of the given stored layers into ``out`` [n, len(layers), H].
-
-        ``out`` is a C-contiguous array of the storage dtype. ``layers=None`` means all layers.
-        With a ``hasher`` (all layers only), every piece placed in ``out`` is fed to it in order
-        right after it lands, while it is still in cache (the sample checksum costs no extra
-        pass over memory). ``crc``: check each chunk's crc32c; by default only without a
-        ``hasher``, whose checksum covers the same bytes once decoded.
-
-        ``threads`` > 1: compressed rows of all layers are cut into up to that many shares of
-        whole chunks (at least `PARALLEL_MIN_BYTES` of decoded bytes each), decoded at once,
-        the first by this thread, so one read of a large sample keeps several cores decoding.
-
-        ``runs_to`` (without a ``hasher``): compressed chunks are planned here, shard by shard,
-        and each `ShardRun` handed to it to read and decode elsewhere (a loader's pipeline):
-        ``out`` is filled once it has. Uncompressed rows are still read here.
-
-        ``stream`` (without a ``hasher``): whole chunks are decoded into ``out`` around the
-        caches, for an ``out`` nothing reads again soon (a loader's batch).
-        """
-        man = self.manifest
-        layout = man.layout
-        rpc, lpc, cps = layout.rows_per_chunk, layout.layers_per_chunk, layout.chunks_per_shard
-        all_layers = layers is None or list(layers) == list(range(man.num_layers))
-        whole_rows = all_layers and lpc == man.num_layers
-        out_bytes = out.reshape(out.shape[0], -1).view(np.uint8)
-        if hasher is not None and not all_layers:
-            raise FormatError("a sample checksum covers all layers")
-        if all_layers and self.raw_rows:
-            read_raw_rows(self, start, stop, out_bytes, hasher)
-            return
-        if crc is None:
-            crc = hasher is None
-        if threads > 1 and whole_rows and runs_to is None:
-            shares = self._shares(start, stop, threads)
-            if len(shares) > 1:
-                self._read_shares(shares, out, out_bytes, hasher, crc)
-                return
-        wanted = range(man.num_layers) if layers is None else layers
-        by_chunk: dict[int, list[tuple[int, int]]] = {}
-        for pos, layer in enumerate(wanted):
-            by_chunk.setdefault(layer // lpc, []).append((pos, layer % lpc))
-        read = RowsRead(self, start, stop, by_chunk, out, out_bytes, hasher, crc, whole_rows,
-                        stream=stream and hasher is None)  # fmt: skip
-        c, last = start // rpc, (stop - 1) // rpc
-        while c <= last:  # shard by shard
-            end = min(last, (c // cps + 1) * cps - 1)
-            if runs_to is None or hasher is not None:  # the hasher takes rows as they land
-                read.decode_chunks(c, end)
-            else:
-                runs_to(read.plan(c, end))
-            c = end + 1
+        """Decode rows [start, stop) of the given stored layers (None: all) into ``out``
+        [n, len(layers), H], a C-contiguous array of the storage dtype, the way ``how`` says
+        (`hsstore.segment.row_reads`; by default on this thread, each chunk checked against
+        its crc32c)."""
+        how.read(self, start, stop, layers, out)
 
     def will_read_rows(
         self,
@@ -360,51 +268,3 @@ class SegmentReader:
                 self.storage.will_read(key, ranges)
             except (HsstoreError, OSError):
                 continue  # a hint fails nothing: the read that needs these bytes reports it
-
-    def _shares(self, start: int, stop: int, threads: int) -> list[tuple[int, int]]:
-        """Rows [start, stop) cut at chunk boundaries into at most ``threads`` runs of nearly
-        equal numbers of chunks, each decoding at least `PARALLEL_MIN_BYTES`."""
-        rpc = self.manifest.layout.rows_per_chunk
-        first, last = start // rpc, (stop - 1) // rpc
-        n = last - first + 1
-        k = min(threads, n, (stop - start) * self.row_bytes_chunk // PARALLEL_MIN_BYTES)
-        if k < 2:
-            return [(start, stop)]
-        bounds = [first + n * s // k for s in range(k + 1)]
-        return [(max(start, bounds[s] * rpc), min(stop, bounds[s + 1] * rpc)) for s in range(k)]
-
-    def _read_shares(
-        self,
-        shares: list[tuple[int, int]],
-        out: np.ndarray,
-        out_bytes: np.ndarray,
-        hasher: xxhash.xxh3_64 | None,
-        crc: bool,
-    ) -> None:
-        """Decode all layers of each share of rows, the first here and the others on the read
-        pool; feed the ``hasher`` the shares in row order, each as it is done.
-
-        A share no pool thread has started by the time this thread gets to it is taken back and
-        decoded here: when many callers read at once and keep the pool busy, each does its own
-        work instead of waiting in the pool's queue."""
-        start = shares[0][0]
-        pool = _READ_POOL.get(len(shares) - 1)
-        futures: list[Future[None]] = [
-            pool.submit(self.read_rows, lo, hi, None, out[lo - start : hi - start], crc=crc)
-            for lo, hi in shares[1:]
-        ]
-        try:
-            lo, hi = shares[0]
-            self.read_rows(lo, hi, None, out[: hi - start], hasher=hasher, crc=crc)
-            for (lo, hi), share in zip(shares[1:], futures, strict=True):
-                if share.cancel():
-                    self.read_rows(lo, hi, None, out[lo - start : hi - start], crc=crc)
-                else:
-                    share.result()
-                if hasher is not None:
-                    hasher.update(out_bytes[lo - start : hi - start])
-        finally:
-            for pending in futures:  # after an error: the shares still running write to `out`
-                pending.cancel()
-            # (a cancelled share counts as done only once a pool thread has dropped it)
-            wait([share for share in futures if not share.cancelled()])

@@ -1,6 +1,6 @@
-"""Decoding rows of one segment's states: what `SegmentReader.read_rows` does for each shard,
-compressed chunk by chunk or, uncompressed, straight into the caller's buffer (a batch's
-samples together: `RawSamplesRead`)."""
+"""Decoding rows of one segment's states: what the read strategies of
+`hsstore.segment.row_reads` do for each shard, compressed chunk by chunk or, uncompressed,
+straight into the caller's buffer (a batch's samples together: `RawSamplesRead`)."""
 
 from __future__ import annotations
 
@@ -170,11 +170,11 @@ class RawSamplesRead:
 
 
 class RowsRead:
-    """One compressed `SegmentReader.read_rows` call: its chunks decoded shard by shard, each
-    as its bytes arrive from the storage (`Storage.read_ranges`), into ``out`` or, for a chunk
-    only part of whose rows or layers are wanted, into this thread's scratch and copied from
-    there. Per-chunk work is kept to the decode itself: shard state is looked up once per
-    shard, and the location string of a chunk is only built for an error."""
+    """One compressed read of rows (`hsstore.segment.row_reads`): its chunks decoded shard by
+    shard, each as its bytes arrive from the storage (`Storage.read_ranges`), into ``out`` or,
+    for a chunk only part of whose rows or layers are wanted, into this thread's scratch and
+    copied from there. Per-chunk work is kept to the decode itself: shard state is looked up
+    once per shard, and the location string of a chunk is only built for an error."""
 
     def __init__(
         self,
