@@ -13,7 +13,7 @@ import torch
 import hsstore
 from hsstore.cores import usable_cores
 from hsstore.loader import Loader
-from hsstore.loader.fetch import resolve_decode_path
+from hsstore.loader.decode_paths import resolve_decode_path
 from tests.test_batch_reads import _dataset as uncompressed_dataset
 from tests.test_chunk_pipeline import _dataset as compressed_dataset
 

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hsstore.cores import usable_cores
 from hsstore.loader.batching import WAIT, padded_length
 from hsstore.loader.chunk_pipeline import ChunkPipeline, RunsTo, SamplesRead
 from hsstore.loader.collate import (
@@ -60,15 +59,10 @@ from hsstore.loader.collate import (
 )
 from hsstore.loader.damaged import blank
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
+from hsstore.loader.decode_paths import resolve_decode_path
 from hsstore.loader.dequant import dequantize_batch
 from hsstore.loader.shutdown import POLL_S, close_at_exit, put_unless_stopped
 
-# How a fetcher decodes (`resolve_decode_path`): "inline", every decode thread also hashes what
-# it decodes and nothing runs beside them; "pipelined", a checker thread verifies a batch's
-# checksums while the next one decodes and, with one decode thread, that thread only decodes
-# what the producer plans and reads for it (`ChunkPipeline`); "auto", pipelined where the decode
-# threads leave a core free.
-DECODE_PATHS = ("auto", "inline", "pipelined")
 _FIRST_POLL_S = 0.001
 # Less stale padding than this is zeroed by the producer: a hand-off costs as much.
 _ZERO_HERE_BYTES = 1 << 20
@@ -470,22 +464,6 @@ class BatchFetcher:
             self.close()
         except Exception:
             pass
-
-
-def check_decode_path(decode_path: str) -> None:
-    if decode_path not in DECODE_PATHS:
-        raise ValueError(f"decode_path must be one of {DECODE_PATHS}, got {decode_path!r}")
-
-
-def resolve_decode_path(decode_path: str, num_threads: int) -> str:
-    """The path (`DECODE_PATHS`) a fetcher with ``num_threads`` decode threads takes:
-    ``"inline"`` or ``"pipelined"`` as asked, and for ``"auto"`` pipelined exactly where the
-    decode threads leave one of this process's cores free (`usable_cores`), since the threads
-    beside them are then not competing with them for a core."""
-    check_decode_path(decode_path)
-    if decode_path != "auto":
-        return decode_path
-    return "pipelined" if num_threads < usable_cores() else "inline"
 
 
 def _zero_rows(stale: list[torch.Tensor]) -> None:

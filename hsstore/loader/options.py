@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hsstore.loader.fetch import BatchShape, check_decode_path
+from hsstore.loader.decode_paths import check_decode_path
+from hsstore.loader.fetch import BatchShape
 from hsstore.loader.follow import FollowConfig
 from hsstore.loader.plan import PlanConfig
 
@@ -45,7 +46,7 @@ class LoaderOptions:
     world_size: int | None = None
     verify_reads: bool | None = None  # checksum every read (default: the dataset's, else True)
     skip_damaged: bool = False  # Loader: blank samples that fail their checks and go on
-    # how batches are decoded (fetch.DECODE_PATHS); every path yields the same batches
+    # how batches are decoded (decode_paths.DECODE_PATHS); every path yields the same batches
     decode_path: str = "auto"
     # following a growing dataset (follow.FollowConfig)
     follow: bool = False
