@@ -132,6 +132,7 @@ class FakeSGLangEngine:
             on_norm, hook = self._resolve_hook(spec)
             (self.norm_hooks if on_norm else self.hooks).append(hook)
         self.shut = False
+        self.forwards = 0
 
     def _count(self, what: str) -> None:
         if self.counts:
@@ -164,7 +165,10 @@ class FakeSGLangEngine:
         assert sampling_params["max_new_tokens"] == 1
         self._count("forward")
         die = self.faults.get("die_once_file")
-        if die and not Path(die).exists():
+        # the forwards it completes first (their batches go on to the writer)
+        survived = self.forwards >= self.faults.get("die_after_forwards", 0)
+        self.forwards += 1
+        if die and survived and not Path(die).exists():
             Path(die).write_text("died\n")
             os._exit(17)
         rids = list(rid) if rid is not None else [uuid.uuid4().hex for _ in input_ids]

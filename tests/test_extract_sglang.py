@@ -192,6 +192,16 @@ def test_closing_the_engine_never_takes_down_the_parent(tiny, prompts, tmp_path)
     assert len(hsstore.open(tmp_path / "ds")) == 3
 
 
+def sample_ids_of(tiny, prompts) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from hsstore.extractors.chat_tokens import ChatTokenizer
+    from hsstore.extractors.prompts import read_prompts
+
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
+    return [chat.encode(prompt).sample_id for prompt in read_prompts(prompts)]
+
+
 def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, prompts, tmp_path):
     out = tmp_path / "ds"
     die = factory(faults={"die_once_file": str(tmp_path / "died")})
@@ -199,17 +209,25 @@ def test_dead_worker_is_reported_with_its_samples_and_rerun_finishes(tiny, promp
         run_extract(sglang_options(tiny, prompts, out, die, batch_size=8))
     message = str(exc.value)
     assert "died (exit code 17)" in message
-    from transformers import AutoTokenizer
-
-    from hsstore.extractors.chat_tokens import ChatTokenizer
-    from hsstore.extractors.prompts import read_prompts
-
-    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tiny))
-    for prompt in read_prompts(prompts):
-        assert chat.encode(prompt).sample_id in message
+    for sample_id in sample_ids_of(tiny, prompts):
+        assert sample_id in message
     assert len(hsstore.open(out)) == 0
     summary = run_extract(sglang_options(tiny, prompts, out, die, batch_size=8))
     assert summary["samples_written"] == 3
+
+
+def test_dead_worker_names_the_samples_it_computed_but_had_not_committed(tiny, prompts, tmp_path):
+    """Batches of one, none committed yet (the default --commit-every): the worker dies in its
+    third forward, and the first two, handed to its writer, are lost with it and named too."""
+    out = tmp_path / "ds"
+    faults = {"die_once_file": str(tmp_path / "died"), "die_after_forwards": 2}
+    with pytest.raises(WorkerFailedError) as exc:
+        run_extract(sglang_options(tiny, prompts, out, factory(faults=faults), batch_size=1))
+    message = str(exc.value)
+    assert "died (exit code 17) while extracting samples " in message
+    named = message.split("while extracting samples ")[1].split(" (not stored)")[0].split(", ")
+    assert sorted(named) == sorted(sample_ids_of(tiny, prompts))  # not only the one in the model
+    assert len(hsstore.open(out)) == 0
 
 
 def test_prenorm_state_in_place_of_aux_is_refused(tiny):

@@ -400,7 +400,8 @@ def _collect(
     """Read the workers' events until every pipe is closed; end each worker's process group
     once the worker has exited (its engine's processes go with it)."""
     finished: set[int] = set()
-    held: dict[int, list[str]] = {}  # the batch each worker has in its model right now
+    # the samples each worker has taken into its model and not yet committed, in order
+    held: dict[int, dict[str, None]] = {}
     while pipes:
         for conn in mp_connection.wait(list(pipes), timeout=1.0):
             rank = pipes[conn]
@@ -416,17 +417,22 @@ def _collect(
                     finished.add(rank)
                     errors.append(
                         f"worker {rank} died (exit code {proc.exitcode})"
-                        + _holding(held.get(rank, []))
+                        + _holding(list(held.get(rank, ())))
                     )
                 continue
             if kind == "done":
                 results[rank] = payload
                 finished.add(rank)
             elif kind == "error":
-                errors.append(f"worker {rank}: {payload['message']}" + _holding(held.get(rank, [])))
+                errors.append(
+                    f"worker {rank}: {payload['message']}" + _holding(list(held.get(rank, ())))
+                )
                 finished.add(rank)
             elif kind == "batch":
-                held[rank] = list(payload["samples"])
+                held.setdefault(rank, {}).update(dict.fromkeys(payload["samples"]))
+            elif kind == "committed":
+                for sample_id in payload["samples"]:
+                    held.get(rank, {}).pop(sample_id, None)
             else:
                 progress.handle((kind, rank, payload))
 

@@ -206,6 +206,7 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
         on_written=lambda n, t, b: emit(
             ("written", spec.rank, {"samples": n, "tokens": t, "bytes": b})
         ),
+        on_committed=lambda ids: emit(("committed", spec.rank, {"samples": ids})),
         skipped=new_skips,
     )
     backend = make_backend(spec) if batches else None
@@ -216,14 +217,13 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
     writer.start()
     try:
         for batch in batches:
-            # the parent names these if this process dies while they are in the model
+            # the parent names these if this process dies before they are committed
             held = [p.sample_id for p in batch if p.sample_id not in already]
             emit(("batch", spec.rank, {"samples": held}))
             t0 = time.perf_counter()
             states = backend.run(batch)
             extract_s += time.perf_counter() - t0
             writer.put([(p, h) for p, h in zip(batch, states) if p.sample_id not in already])
-            emit(("batch", spec.rank, {"samples": []}))
     except BaseException as exc:  # keep what was already handed over, then fail
         failed = exc
     stats = writer.finish()  # commits every complete sample it was given
@@ -252,9 +252,17 @@ def worker_process_main(spec: WorkerSpec, events: Any) -> None:
     kills when it ends (:mod:`hsstore.extractors.process_group`)."""
     lead_own_group()
     _exit_with_parent()
+    # the model thread and the writer thread both report: one event at a time on the pipe
+    # (a send larger than the pipe's atomic write would otherwise interleave with another)
+    lock = threading.Lock()
+
+    def send(event: Event) -> None:
+        with lock:
+            events.send(event)
+
     # an error was already reported to the parent, which owns the exit code
     with contextlib.suppress(BaseException):
-        run_worker(spec, events.send)
+        run_worker(spec, send)
 
 
 def _exit_with_parent() -> None:

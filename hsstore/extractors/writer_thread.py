@@ -45,6 +45,7 @@ class WriterThread:
         max_queue: int = 4,
         encode_threads: int | None = None,
         on_written: Callable[[int, int, int], None] | None = None,
+        on_committed: Callable[[list[str]], None] | None = None,
         skipped: Sequence[tuple[str, str]] = (),
     ):
         self.ds = ds
@@ -52,6 +53,7 @@ class WriterThread:
         self.commit_seconds = commit_seconds
         self.encode_threads = encode_threads
         self.on_written = on_written
+        self.on_committed = on_committed
         self.skipped = list(skipped)
         self.stats = WriterStats()
         self.error: BaseException | None = None
@@ -89,7 +91,7 @@ class WriterThread:
             with self.ds.writer(encode_threads=self.encode_threads) as w:
                 for name, reason in self.skipped:
                     w.record_skipped(name, reason)
-                pending = 0
+                pending: list[str] = []  # added since the last commit
                 last_commit = time.monotonic()
                 while True:
                     items = self._queue.get()
@@ -105,13 +107,14 @@ class WriterThread:
                             source=prompt.source,
                         )
                         self._count(prompt, hidden)
-                        pending += 1
-                    if pending >= self.commit_every or (
+                        pending.append(prompt.sample_id)
+                    if len(pending) >= self.commit_every or (
                         time.monotonic() - last_commit >= self.commit_seconds
                     ):
                         w.commit()
                         self.stats.commits += 1
-                        pending = 0
+                        self._committed(pending)
+                        pending = []
                         last_commit = time.monotonic()
                     self.stats.busy_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -119,6 +122,7 @@ class WriterThread:
             self.stats.busy_s += time.perf_counter() - t0
             if pending:
                 self.stats.commits += 1
+                self._committed(pending)
         except BaseException as exc:  # surfaced to the producer by put()/finish()
             self.error = exc
             self._drain()
@@ -131,6 +135,10 @@ class WriterThread:
         self.stats.raw_bytes += nbytes
         if self.on_written is not None:
             self.on_written(1, n, nbytes)
+
+    def _committed(self, sample_ids: list[str]) -> None:
+        if self.on_committed is not None:
+            self.on_committed(sample_ids)
 
     def _drain(self) -> None:
         """Unblock a producer stuck on a full queue after an error."""
