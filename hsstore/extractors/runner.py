@@ -41,6 +41,10 @@ from hsstore.spec.layers import LayerSpec, layers_option
 ENGINE_BACKENDS = ("sglang", "vllm")
 # how long interrupted workers get to commit what they completed before they are killed
 INTERRUPT_GRACE_S = 60.0
+# Backends whose engine processes are left out of an interrupt: vLLM's, on a SIGINT of their own,
+# end without releasing their shared memory (Python's resource tracker then warns after the
+# command's last line), while the worker's closing of its engine ends them cleanly.
+INTERRUPT_WORKER_ALONE = ("vllm",)
 
 
 class WorkerFailedError(HsstoreError):
@@ -377,7 +381,11 @@ def _run_spawned(
         # An interrupt (Ctrl-C) reaches this process alone, as each worker leads its own group:
         # pass it on, so each worker commits what it completed, as on an interrupt of its own.
         for p in running.values():
-            signal_group(p.pid, signal.SIGINT)
+            if opts.backend in INTERRUPT_WORKER_ALONE:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
+            else:
+                signal_group(p.pid, signal.SIGINT)
         wait_exited(list(running.values()), timeout=INTERRUPT_GRACE_S)
         raise
     finally:

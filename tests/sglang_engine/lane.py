@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import torch
 
 import hsstore
@@ -44,6 +45,12 @@ ROWS = [
 # what two bf16 computations of one dense layer stack may differ by beyond twice transformers'
 # own bf16-vs-fp32 distance (measured up to 0.024 on the tiny models: 2^-8 per element, summed)
 BF16_REL_TOLERANCE = 0.03
+# Ctrl-C's disposition as in a terminal's foreground: a lane started in the background has SIGINT
+# ignored, and the CLI and its workers would inherit that.
+CLI = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from hsstore.cli import main; main()"
+)
 
 
 def write_prompts(path: Path, rows: list[dict] = ROWS) -> Path:
@@ -53,7 +60,7 @@ def write_prompts(path: Path, rows: list[dict] = ROWS) -> Path:
 
 def cli(*args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     """`hsstore ...` in a child process of the lane's environment."""
-    cmd = [sys.executable, "-c", "from hsstore.cli import main; main()", *args]
+    cmd = [sys.executable, "-c", CLI, *args]
     return subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -81,6 +88,18 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=60)
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of process group ``pgid`` (an extraction worker's: itself and its engine's)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return out
 
 
 class Reference:

@@ -14,7 +14,16 @@ import psutil
 import pytest
 import tiny_models
 import torch
-from lane import ENGINE_ARGS, Reference, cli, compare, finish, run_cli, write_prompts
+from lane import (
+    ENGINE_ARGS,
+    Reference,
+    cli,
+    compare,
+    finish,
+    group_members,
+    run_cli,
+    write_prompts,
+)
 
 import hsstore
 from hsstore.extractors.backends.sglang.memory import engine_start_lock_path
@@ -63,17 +72,6 @@ def start_lock_holders() -> list[tuple[int, str]]:
             if any(f.path == path for f in p.open_files()):
                 out.append((p.pid, " ".join(p.cmdline())[:120]))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
-
-
-def group_members(pgid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getpgid(p.pid) == pgid:
-                out.append(p)
-        except (ProcessLookupError, psutil.NoSuchProcess):
             continue
     return out
 

@@ -42,6 +42,9 @@ CITED = [
     ("v1/engine/input_processor.py", 371, 'request.request_id = f"{request.external_req_id}-'),
     ("platforms/cpu.py", 341, 'parallel_config.distributed_executor_backend = "mp"'),
     ("config/scheduler.py", 316, "self.max_num_batched_tokens < max_model_len"),
+    ("v1/utils.py", 616, "timeout = 5.0"),
+    ("v1/executor/multiproc_executor.py", 484, "timeout=envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"),
+    ("v1/engine/core_client.py", 766, "def shutdown(self, timeout: float | None = None)"),
 ]
 
 

@@ -82,6 +82,12 @@ MISSING_HINT = (
 KV_BATCHES = 2
 MIN_KV_BYTES = 64 << 20
 LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
+# How long closing the engine waits for its core process to end before killing it. vLLM's own
+# default is 5 s (v1/utils.py:613-616), less than its core takes on a busy CPU to let its model
+# worker go (5 s of grace, v1/executor/multiproc_executor.py:483-485) and tear down; a core killed
+# there leaves its shared memory to Python's resource tracker, which warns after the command's
+# last line. The wait ends as soon as the core has ended.
+ENGINE_SHUTDOWN_S = 30.0
 
 
 class VLLMResponseError(HsstoreError):
@@ -291,7 +297,7 @@ class VLLMBackend:
         engine, self.engine = self.engine, None
         try:
             if engine is not None:
-                engine.engine_core.shutdown()
+                engine.engine_core.shutdown(timeout=ENGINE_SHUTDOWN_S)
         finally:
             shutil.rmtree(self.capture_dir, ignore_errors=True)
 
