@@ -54,7 +54,7 @@ def build_model(model_dir: Path, seed: int = 0):
 
 
 @torch.no_grad()
-def _states(model, ids: torch.Tensor) -> dict:
+def capture_states(model, ids: torch.Tensor) -> dict:
     """Residual stream after every depth (forward hooks) plus the final norm, for [N, T] ids."""
     caps: dict = {}
     hooks = [model.model.embed_tokens.register_forward_hook(lambda m, i, o: caps.__setitem__(0, o))]
@@ -82,7 +82,7 @@ def generate(model, n: int, seed: int = 1) -> list[GenSample]:
     for _ in range(GENERATED):
         nxt = model(ids).logits[:, -1].argmax(dim=-1)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
-    states = _states(model, ids)
+    states = capture_states(model, ids)
     mask = torch.zeros_like(ids[0])
     mask[PROMPT:] = 1
     return [

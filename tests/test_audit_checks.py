@@ -123,8 +123,10 @@ def test_norm_identity_tells_post_from_pre_norm(dtype):
     x = torch.randn(n, h, generator=gen) * (0.5 + 2 * torch.rand(n, 1, generator=gen))
     w = 0.3 + 1.7 * torch.rand(h, generator=gen)
     post = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-    assert norm_fit(post.to(dtype).float()).ratio < HOLDS
-    assert norm_fit(x.to(dtype).float()).ratio > BROKEN
+    fit_post, fit_pre = norm_fit(post.to(dtype).float()), norm_fit(x.to(dtype).float())
+    assert fit_post.ratio < HOLDS and fit_post.holds
+    assert fit_post.negative_share < 0.01  # a norm's weights are positive
+    assert fit_pre.ratio > BROKEN and not fit_pre.holds and not fit_pre.degenerate
     assert norm_fit(post[: h - 1]) is None
 
 

@@ -10,7 +10,15 @@ import math
 
 import pytest
 import torch
-from audit_helpers import CLEAN_LAYERS, LAYERS, Tiny, clean_rows, make_tiny, write_dataset
+from audit_helpers import (
+    CLEAN_LAYERS,
+    LAYERS,
+    Tiny,
+    capture_states,
+    clean_rows,
+    make_tiny,
+    write_dataset,
+)
 
 from hsstore import LayerSpec
 from hsstore.audit import AuditOptions, Verdict, audit
@@ -198,3 +206,48 @@ def test_pre_norm_states_of_constant_scale_pass_with_the_models_norm_weight(tiny
     assert res.check("final_norm_exact").verdict is Verdict.OK
     assert res.check("final_norm").verdict is Verdict.OK
     assert "final_norm_exact" in res.check("final_norm").reason
+
+
+def _one_sample_twice(tiny: Tiny, final: str | int) -> list:
+    """One sample's states as stored, and again as a second extraction whose arithmetic differs
+    (float64, rounded to float32): rows equal to the last bits, so the fit gets more rows than
+    unknowns but only half as many distinct states, as when a trained model computes nearly
+    the same state in many contexts or a prefix is extracted in two batch shapes."""
+    from transformers import LlamaForCausalLM
+
+    first = tiny.samples[0]
+    model = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float64).eval()
+    again = capture_states(model, first.input_ids[None])
+    sources = [1, 2, 3, final]
+    return [
+        (first.sample_id, first.input_ids, first.loss_mask, stack_states(first.states, sources)),
+        ("again", first.input_ids, first.loss_mask,
+         stack_states({k: v[0] for k, v in again.items()}, sources)),
+    ]  # fmt: skip
+
+
+def stack_states(states: dict, sources: list) -> torch.Tensor:
+    return torch.stack([states[k].float() for k in sources], dim=1)
+
+
+def test_few_distinct_pre_norm_states_are_no_proof_of_a_norm(tiny, tmp_path):
+    """Near-copies of fewer states than the hidden size satisfy the weight-free identity with
+    weights of both signs; declared pre-norm, that is no evidence of post-norm states."""
+    layers = CLEAN_LAYERS[:3] + [LayerSpec(LAYERS, final_norm=False)]
+    path = write_dataset(tmp_path / "pre", _one_sample_twice(tiny, LAYERS), layers=layers)
+    check = run(path).check("final_norm")
+    assert check.verdict is Verdict.SKIP, check
+    assert "too few distinct states" in check.reason
+    fit = check.details["layers"]["3"]
+    assert fit["ratio"] < 2 and fit["negative_share"] > 0.05  # what used to claim post-norm
+    # declared post-norm, the same pre-norm rows are not passed either
+    wrong = write_dataset(tmp_path / "wrong", _one_sample_twice(tiny, LAYERS))
+    assert run(wrong).check("final_norm").verdict is Verdict.SKIP
+
+
+def test_few_distinct_post_norm_states_declared_pre_norm_still_fail(tiny, tmp_path):
+    layers = CLEAN_LAYERS[:3] + [LayerSpec(LAYERS, final_norm=False)]
+    path = write_dataset(tmp_path / "ds", _one_sample_twice(tiny, "post"), layers=layers)
+    check = run(path).check("final_norm")
+    assert check.verdict is Verdict.FAIL, check
+    assert "positive weights" in check.reason

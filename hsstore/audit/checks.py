@@ -279,14 +279,19 @@ def check_final_norm(
             )
             continue
         details[str(idx)] = {"fit_residual": fit.residual, "rounding_noise": fit.noise,
-                             "ratio": fit.ratio, "rows": fit.rows}  # fmt: skip
+                             "ratio": fit.ratio, "rows": fit.rows,
+                             "negative_share": fit.negative_share}  # fmt: skip
         how = f"norm-identity fit residual {fit.ratio:.3g}x rounding noise"
-        if spec.final_norm and fit.ratio > BROKEN:
+        if fit.degenerate:
+            short.append(f"{desc}: the fit passes through its {fit.rows} distinct rows only with "
+                         f"negative weights ({fit.negative_share:.0%} of the fitted norm), so they "
+                         "hold too few distinct states to test the identity")  # fmt: skip
+        elif spec.final_norm and fit.ratio > BROKEN:
             bad.append(f"{desc} is declared post-norm but no norm weight explains its row "
                        f"scales ({how}): pre-norm states?")  # fmt: skip
-        elif not spec.final_norm and fit.ratio < HOLDS:
+        elif not spec.final_norm and fit.holds:
             bad.append(f"{desc} is declared pre-norm but its rows satisfy an RMSNorm identity "
-                       f"({how}): post-norm states?")  # fmt: skip
+                       f"({how}, positive weights): post-norm states?")  # fmt: skip
         elif HOLDS <= fit.ratio <= BROKEN:
             unsure.append(f"{desc}: {how} is inconclusive (per-token scale barely varies)")
         else:
