@@ -6,6 +6,7 @@ The engine itself runs in the vLLM lane (tests/vllm_engine, scripts/test_vllm_la
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +16,7 @@ from hsstore.errors import BadInputError
 from hsstore.extractors.backends.vllm.backend import (
     capture_config,
     check_vllm_version,
+    cpu_binding,
     cpu_thread_binding,
     engine_kwargs,
     plan_capture,
@@ -73,6 +75,17 @@ def test_cpu_threads_are_split_between_tensor_parallel_ranks():
     assert cpu_thread_binding([3, 2], 1) == "2,3"
     assert cpu_thread_binding([0, 1, 2, 3], 2) == "0,1|2,3"
     assert cpu_thread_binding([5], 2) == "5|5"
+
+
+def test_tensor_parallel_ranks_on_cpu_share_the_process_cores_without_numa_nodes_each():
+    """vLLM's own binding wants a NUMA node per rank: for TP > 1 hsstore binds the ranks to
+    this process's cores (the vLLM lane runs TP 2 on one node); TP 1 keeps vLLM's binding."""
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_binding(None, 1) is None
+    assert cpu_binding(None, 2) == cpu_thread_binding(cores, 2)
+    assert cpu_binding(None, 2).count("|") == 1
+    assert cpu_binding([6, 7], 2) == "6|7"  # a worker's share, as given
+    assert cpu_binding([6, 7], 1) == "6,7"
 
 
 def test_cli_without_vllm_says_what_to_install(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ CITED = [
     ("v1/utils.py", 616, "timeout = 5.0"),
     ("v1/executor/multiproc_executor.py", 484, "timeout=envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"),
     ("v1/engine/core_client.py", 766, "def shutdown(self, timeout: float | None = None)"),
+    ("utils/ompmultiprocessing.py", 217, "len(allowed_numa_nodes) >= local_world_size"),
 ]
 
 

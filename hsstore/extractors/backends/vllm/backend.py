@@ -202,6 +202,17 @@ def cpu_thread_binding(cores: Sequence[int], tp_size: int) -> str:
     return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
+def cpu_binding(cores: Sequence[int] | None, tp_size: int) -> str | None:
+    """The binding hsstore gives one engine on CPU, or None to keep vLLM's own.
+
+    vLLM's own binding gives every TP rank a NUMA node of its own and refuses more ranks than
+    nodes (``utils/ompmultiprocessing.py:217-224``), so with TP > 1 the ranks share this
+    process's cores (``cores``, the worker's share, where given)."""
+    if not cores and tp_size > 1 and hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    return cpu_thread_binding(cores, tp_size) if cores else None
+
+
 def _model_max_len(text_config: Any) -> int | None:
     value = getattr(text_config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
@@ -253,8 +264,9 @@ class VLLMBackend:
         # vLLM logs to stdout by default (envs.py VLLM_LOGGING_STREAM), where `--json` prints
         for name, value in LOGGING.items():
             os.environ.setdefault(name, value)
-        if on_cpu and cpu_cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(cpu_cores, tp_size)
+        binding = cpu_binding(cpu_cores, tp_size)
+        if on_cpu and binding and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
         self.capture_dir = make_capture_dir()
         self._slots = SlotReader(self.capture_dir)
         self._rid_prefix = f"hsstore-{uuid.uuid4().hex[:12]}-"
