@@ -8,9 +8,13 @@ import os
 def usable_cores() -> int:
     """The cores of this process's affinity mask (a container's or ``taskset``'s limit, where
     one is set), else all the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(usable_core_ids()) or os.cpu_count() or 1
+
+
+def usable_core_ids() -> list[int]:
+    """The ids of the cores in this process's affinity mask, in order; empty where the platform
+    has no affinity mask (nothing to bind threads to by id)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def default_read_threads() -> int:

@@ -319,6 +319,14 @@ def _child(queue: Any, fn: Any, args: tuple) -> None:
     queue.put(fn(*args))
 
 
+def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
+    """``fn(*fn_args)`` in a fresh process, its result printed as it comes (a long run shows
+    where it is)."""
+    result = _in_process(fn, *fn_args)
+    print(json.dumps({name: result}), flush=True)
+    return result
+
+
 def _in_process(fn, *args) -> dict[str, Any]:
     """``fn(*args)`` in a fresh process (not a daemon: SGLang starts children of its own)."""
     ctx = mp.get_context("spawn")
@@ -354,11 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_model(work))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     extra_batches = (args.extract_rows - FEW) // BATCH
-
-    def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
-        result = _in_process(fn, *fn_args)
-        print(json.dumps({name: result}), flush=True)  # a long run shows where it is
-        return result
 
     report: dict[str, Any] = {}
     report["capture"] = phase("capture", phase_backend, model, "shm", args.batches, vocab)

@@ -46,9 +46,9 @@ from tools.bench_sglang import (  # noqa: E402
     LAYER_SPEC,
     LAYERS,
     TOKENS,
-    _in_process,
     build_model,
     paired_capture,
+    phase,
     phase_extract,
     prompts,
 )
@@ -142,11 +142,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, -(-_kv_bytes(model) >> 30))))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     extra_batches = (args.extract_rows - FEW) // BATCH
-
-    def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
-        result = _in_process(fn, *fn_args)
-        print(json.dumps({name: result}), flush=True)  # a long run shows where it is
-        return result
 
     report: dict[str, Any] = {}
     report["capture"] = phase("capture", phase_capture, model, args.batches, vocab)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hsstore.cores import usable_core_ids
 from hsstore.extractors.batching import owner, plan_batches
 from hsstore.extractors.chat_tokens import ChatTokenizer, TokenizedPrompt
 from hsstore.extractors.options import ExtractOptions
@@ -126,7 +127,7 @@ def make_backend(spec: WorkerSpec) -> Any:
 
 def worker_cores(spec: WorkerSpec) -> list[int]:
     """The cores this worker's engine may bind its threads to: its share of this process's."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = usable_core_ids()
     workers = spec.options.workers
     per = max(1, len(cores) // workers)
     mine = cores[(spec.rank % workers) * per :][:per]

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from hsstore.cores import usable_core_ids
 from hsstore.errors import BadInputError, HsstoreError
 from hsstore.extractors.backends.sglang.backend import resolve_dtype
 from hsstore.extractors.backends.sglang.capture import SlotReader, make_capture_dir
@@ -208,8 +209,8 @@ def cpu_binding(cores: Sequence[int] | None, tp_size: int) -> str | None:
     vLLM's own binding gives every TP rank a NUMA node of its own and refuses more ranks than
     nodes (``utils/ompmultiprocessing.py:217-224``), so with TP > 1 the ranks share this
     process's cores (``cores``, the worker's share, where given)."""
-    if not cores and tp_size > 1 and hasattr(os, "sched_getaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
+    if not cores and tp_size > 1:
+        cores = usable_core_ids()
     return cpu_thread_binding(cores, tp_size) if cores else None
 
 
