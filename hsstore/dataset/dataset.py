@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,11 @@ class Dataset:
         self.verify_reads = verify_reads
         self.read_threads = default_read_threads() if read_threads is None else read_threads
         self._loaded: LoadedSegments | None = None
+        # A version a writer of this view published, with the indexes that writer read, whose
+        # new segments are not loaded yet: most writers never read their view again, so the
+        # indexes are read when something first needs them (`_segments`).
+        self._pending: tuple[Manifest, dict[str, tuple[SegmentReader, pa.Table]]] | None = None
+        self._pending_lock = threading.Lock()
         self.rebuilt: Rebuilt | None = None  # how it was rebuilt around lost manifest files
         given = manifest is not None  # by verify or repair, whose reports say what is damaged
         if manifest is None:
@@ -111,19 +117,57 @@ class Dataset:
         # Segments are immutable and a commit usually only appends: on refresh, keep the
         # readers (and their decoded indexes and caches) of segments already loaded and read
         # only the new ones; the joined index is rebuilt when next used.
+        if self._pending is not None:
+            known = {**self._pending[1], **(known or {})}
         loaded = load_segments(self.storage, manifest, self._loaded, known)
         # Only once every index is in: a failed read leaves the view at its old version.
-        self.manifest, self._loaded = manifest, loaded
-        self._readers, self._tables = loaded.readers, loaded.tables
-        self.unreadable = loaded.unreadable
+        self.manifest, self._loaded, self._pending = manifest, loaded, None
+        self._forget_joined()
+
+    def _move_to(
+        self, manifest: Manifest, known: Mapping[str, tuple[SegmentReader, pa.Table]]
+    ) -> None:
+        """Move to ``manifest``, a later version a writer of this view published, reading
+        nothing: its new segments' indexes are read when first needed (`_segments`), those in
+        ``known`` (read by the writer) taken as they are."""
+        with self._pending_lock:
+            held = {} if self._pending is None else self._pending[1]
+            self._pending = (manifest, {**held, **known})
+            self.manifest = manifest
+            self._forget_joined()
+
+    def _segments(self) -> LoadedSegments:
+        """The readers and indexes of this view's version: every accessor of them comes here,
+        which loads a version a writer moved the view to. A failed read raises and leaves the
+        version pending, tried again on the next access."""
+        if self._pending is not None:
+            with self._pending_lock:
+                if self._pending is not None:
+                    self._load(self._pending[0])
+                    if self._loaded is not None and self._loaded.unreadable:
+                        say_what_is_left_out(self)
+        assert self._loaded is not None  # loaded by __init__
+        return self._loaded
+
+    def _forget_joined(self) -> None:
         self._joined: JoinedIndex | None = None
         self._ids: list[str] | None = None
         self._pos: dict[str, int] | None = None
 
     @property
+    def unreadable(self) -> dict[str, str]:
+        """The segments this version leaves out, their index unreadable: id -> why."""
+        return self._segments().unreadable
+
+    @property
+    def _readers(self) -> list[SegmentReader]:
+        return self._segments().readers
+
+    @property
     def _index(self) -> JoinedIndex:
+        tables = self._segments().tables  # first: loading a pending version forgets the join
         if self._joined is None:
-            self._joined = JoinedIndex(self._tables)
+            self._joined = JoinedIndex(tables)
         return self._joined
 
     @property
@@ -184,14 +228,16 @@ class Dataset:
 
     @property
     def sample_ids(self) -> list[str]:
+        index = self._index  # first: loading a pending version forgets the ids
         if self._ids is None:
-            self._ids = self.index.column("sample_id").to_pylist()
+            self._ids = index.table.column("sample_id").to_pylist()
         return self._ids
 
     def position(self, sample_id: str) -> int:
         """Storage position of a sample id; KeyError if it is not committed."""
+        ids = self.sample_ids
         if self._pos is None:
-            self._pos = {sid: i for i, sid in enumerate(self.sample_ids)}
+            self._pos = {sid: i for i, sid in enumerate(ids)}
         return self._pos[sample_id]
 
     def num_tokens_of(self, i: int) -> int:

@@ -436,11 +436,10 @@ class ViewWriter(Writer):
 
     def commit(self) -> Manifest | None:
         published = super().commit()
-        if published is not None:
-            # Published: from here on nothing may turn the commit into an error. A view that
-            # cannot load now (a failed read) is refreshed again on its next use. The indexes
-            # the writer read (other writers' segments) are not read again.
-            with contextlib.suppress(HsstoreError, OSError):
-                if published.version > self._view.manifest.version:
-                    self._view._load(published, self.take_indexes_read())
+        if published is not None and published.version > self._view.manifest.version:
+            # The view takes the version at once but reads its new segments' indexes only when
+            # something needs them (most writers never read their view again), then not those
+            # the writer read (other writers' segments). Nothing is read here, so nothing can
+            # turn the published commit into an error.
+            self._view._move_to(published, self.take_indexes_read())
         return published
