@@ -1,16 +1,21 @@
 """The write-time statistics pass: its buffer-reusing code gives the same stats.json, bit for bit,
-as the plain reference formulation kept here, on inputs full of NaN, Inf, zeros and -0.0."""
+as the plain reference formulation kept here, on inputs full of NaN, Inf, zeros and -0.0; and the
+writer's compiled passes write the same bytes as its portable path."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import warnings
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
+import hsstore
+from hsstore import LayerSpec
 from hsstore.segment.stats import (
     _BITS,
     HIST_BINS,
@@ -18,7 +23,11 @@ from hsstore.segment.stats import (
     HIST_MIN_EXP,
     LayerStats,
     StatsAccumulator,
+    magnitude_dtype,
+    row_absmax,
 )
+from hsstore.spec import paths
+from hsstore.spec.sample_index import RowHasher, finish_checksum, sample_checksum
 from tools.synthetic import llm_like_states
 
 
@@ -161,3 +170,63 @@ def test_block_stats_equal_per_sample_stats(dtype):
             assert got[key] == want[key], key
         assert got["sum"] == pytest.approx(want["sum"], rel=1e-12)
         assert got["sumsq"] == pytest.approx(want["sumsq"], rel=1e-12)
+
+
+@pytest.mark.skipif(
+    not RowHasher.available(),
+    reason="the compiled pass is not in use (not built, or HSSTORE_NO_FAST_DECODE=1)",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_copied_in_one_pass_are_copied_hashed_and_measured_exactly(dtype):
+    """The writer's compiled pass: the copy, the checksum and each row's magnitude bits are
+    those of a plain copy, xxhash and `row_absmax`, over pieces of samples of any length."""
+    name = str(dtype).removeprefix("torch.")
+    g = torch.Generator().manual_seed(3)
+    hasher = RowHasher()
+    for t in (1, 7, 300, 64):
+        x = hostile_sample(g, t, dtype)
+        stored = (x.view(torch.int16) if dtype == torch.bfloat16 else x).numpy()
+        dst = np.full_like(stored, 7)
+        rowmax = np.full(stored.shape[:2], -1, magnitude_dtype(name))
+        hasher.reset()
+        cut = t // 3
+        hasher.copy_rows(stored[:cut], dst[:cut], rowmax[:cut])
+        hasher.copy_rows(stored[cut:], dst[cut:], rowmax[cut:])
+        ids, mask = np.arange(t, dtype="<i4"), np.ones(t, "<u1")
+        assert np.array_equal(dst.view(np.uint8), stored.view(np.uint8))
+        assert np.array_equal(rowmax, row_absmax(stored, name))
+        assert finish_checksum(hasher, ids, mask) == sample_checksum(stored, ids, mask)
+    with pytest.raises(ValueError, match="overlap"):
+        hasher.copy_rows(stored, stored, rowmax)
+
+
+def _write_hostile(path, dtype: torch.dtype) -> dict[str, bytes]:
+    """A dataset of hostile samples over several shards: its segment's files by name (those
+    that name the segment's random id left out), the index without its ids."""
+    g = torch.Generator().manual_seed(11)
+    ds = hsstore.create(path, layers=[LayerSpec(k + 1) for k in range(3)], hidden_size=96,
+                        dtype=dtype, shard_bytes=64 << 10)  # fmt: skip
+    with ds.writer() as w:
+        for i, t in enumerate([1, 7, 300, 5, 64, 1000, 3, 9]):
+            ids = torch.randint(0, 1000, (t,), generator=g)
+            w.add(f"s{i}", ids, torch.ones(t, dtype=torch.long), hostile_sample(g, t, dtype))
+    (seg,) = hsstore.open(path).manifest.segments
+    files = {rel: (path / "segments" / seg.id / rel).read_bytes() for rel in seg.files}
+    index = pq.read_table(io.BytesIO(files.pop(paths.INDEX))).drop_columns(["sample_id"])
+    files.pop(paths.INDEX_COPY, None)
+    files.pop("zarr.json")
+    return {**files, "index": repr(index.to_pydict()).encode()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_and_portable_writers_write_the_same_bytes(tmp_path, monkeypatch, dtype):
+    """States, statistics, columns and index checksums: the same whether the writer copies,
+    hashes, measures and splits byte planes in compiled passes or in numpy and xxhash."""
+    compiled = _write_hostile(tmp_path / "compiled", dtype)
+    monkeypatch.setenv("HSSTORE_NO_FAST_DECODE", "1")
+    assert not RowHasher.available()
+    portable = _write_hostile(tmp_path / "portable", dtype)
+    assert sum(rel.startswith(paths.STATES + "/c/") for rel in compiled) >= 3
+    assert compiled.keys() == portable.keys()
+    for rel in compiled:
+        assert compiled[rel] == portable[rel], rel

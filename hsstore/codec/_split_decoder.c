@@ -1,4 +1,5 @@
-/* The decoder of split-zstd frames (hsstore.codec.codecs, `_SplitDecoder`).
+/* The decoder of split-zstd frames (hsstore.codec.codecs, `_SplitDecoder`), and the split of
+ * values into byte planes that the encoder codes (`split_planes`).
  *
  * A split-zstd chunk stores the low and the high byte of every 2-byte value as two streams.
  * One call reads the frame, has libzstd decode the coded streams into the caller's scratch (with
@@ -155,7 +156,64 @@ static PyObject *decode_split_frame(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* The encoder's side: low[i] = in[2i], high[i] = in[2i + 1]. ``low`` may be ``in`` itself
+ * (the planes of a chunk the caller no longer needs, the low one in the chunk's own, warm
+ * memory): every store lands at or before the bytes already loaded, so a forward pass reads
+ * each value before it is overwritten. */
+static void split(uint8_t *low, uint8_t *high, const uint8_t *in, size_t n) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    const __m128i low_byte = _mm_set1_epi16(0x00FF);
+    for (; i + 16 <= n; i += 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(in + 2 * i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(in + 2 * i + 16));
+        __m128i lo = _mm_packus_epi16(_mm_and_si128(a, low_byte), _mm_and_si128(b, low_byte));
+        __m128i hi = _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8));
+        _mm_storeu_si128((__m128i *)(low + i), lo);
+        _mm_storeu_si128((__m128i *)(high + i), hi);
+    }
+#endif
+    for (; i < n; i++) {
+        uint8_t lo = in[2 * i], hi = in[2 * i + 1];
+        low[i] = lo;
+        high[i] = hi;
+    }
+}
+
+static int overlaps(const Py_buffer *a, const Py_buffer *b) {
+    const char *a0 = a->buf, *b0 = b->buf;
+    return a0 < b0 + b->len && b0 < a0 + a->len;
+}
+
+static PyObject *split_planes(PyObject *self, PyObject *args) {
+    Py_buffer in, low, high;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*w*:split_planes", &in, &low, &high))
+        return NULL;
+    PyObject *result = NULL;
+    if (in.len % 2 || low.len != in.len / 2 || high.len != in.len / 2) {
+        PyErr_SetString(PyExc_ValueError, "split_planes: planes must be half the input each");
+    } else if (overlaps(&high, &in) || overlaps(&high, &low) ||
+               (overlaps(&low, &in) && low.buf != in.buf)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "split_planes: only the low plane may share memory, at the input's start");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        split(low.buf, high.buf, in.buf, (size_t)low.len);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&low);
+    PyBuffer_Release(&high);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"split_planes", split_planes, METH_VARARGS,
+     "split_planes(values, low, high)\n--\n\n"
+     "Write the low byte of every 2-byte value into low and the high byte into high (each half\n"
+     "of values' length); low may be values' own first half, no other memory may be shared."},
     {"new_context", new_context, METH_NOARGS,
      "new_context()\n--\n\n"
      "A zstd decoding context for decode_split_frame, freed with the object; one thread at a\n"

@@ -56,6 +56,9 @@ try:  # linked with libzstd where its header was there at build time (setup.py)
     from hsstore.codec import _split_decoder
 except ImportError:
     _split_decoder = None
+# The encoder's split of 2-byte values into byte planes, compiled in the same module (where
+# built; a module built before it had the split lacks it).
+_split_planes = getattr(_split_decoder, "split_planes", None)
 
 CODEC_NAMES = ("split-zstd", "blosc-zstd", "blosc-lz4", "none")
 DEFAULT_CODEC = "split-zstd"
@@ -198,6 +201,9 @@ class ChunkCodec:
         self._compressed = config.compressed
         split = config.name == "split-zstd" and itemsize == 2 and sys.byteorder == "little"
         self._split = _SplitDecoder() if split and fast_decode() else None
+        # The compiled split into byte planes goes with the compiled decoder (the portable
+        # path, numpy's, is the one ``HSSTORE_NO_FAST_DECODE=1`` runs).
+        self._split_planes = _split_planes if fast_decode() else None
 
     def encode(self, chunk: np.ndarray, *, reuse_input: bool = False) -> list[bytes | memoryview]:
         """Encoded pieces of one chunk; written back to back they form the chunk.
@@ -249,7 +255,15 @@ class ChunkCodec:
         # interleaves), in a reused scratch: fresh memory would be faulted in on every chunk.
         shuffled = local.scratch[:nbytes]
         m = nbytes // k
-        if k in (2, 4, 8) and nbytes % k == 0:
+        # The low plane of 2-byte values split in the chunk's own memory, where it is stored
+        # as it lies when raw (mantissa noise): no copy back out of the scratch.
+        two_byte = k == 2 and nbytes % 2 == 0 and self._split_planes is not None
+        in_place = two_byte and split and raw_home is not None
+        if in_place:
+            self._split_planes(raw, raw_home[:m], shuffled[m:])
+        elif two_byte:
+            self._split_planes(raw, shuffled[:m], shuffled[m:])
+        elif k in (2, 4, 8) and nbytes % k == 0:
             # Byte b of every value as a shift and a truncating cast of the little-endian
             # words: contiguous passes numpy vectorizes, where a strided byte copy is not.
             # Byte 0 is the cast alone: numpy would compute a shift by 0 in the wide type.
@@ -262,6 +276,8 @@ class ChunkCodec:
             for b in range(k):
                 np.copyto(shuffled[b * m : (b + 1) * m], values[b::k])
         streams = [shuffled[b * m : (b + 1) * m] for b in range(k)] if split else [shuffled]
+        if in_place:
+            streams[0] = raw_home[:m]
         parts: list[bytes | memoryview] = []
         raw_at = 0
         for b, stream in enumerate(streams):
@@ -275,7 +291,9 @@ class ChunkCodec:
                 # exactly ``size`` bytes would be read as raw, which the margin rules out.
                 if len(packed) < size - size // 16:
                     body = packed
-            if body is None:  # raw: out of the scratch, which the next chunk overwrites
+            if body is None and in_place and b == 0:  # already where it is stored
+                body, raw_at = stream.data, size
+            elif body is None:  # raw: out of the scratch, which the next chunk overwrites
                 if raw_home is not None:
                     home = raw_home[raw_at : raw_at + size]
                     np.copyto(home, stream)

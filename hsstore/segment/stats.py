@@ -178,16 +178,18 @@ class StatsAccumulator:
         return RowFlags(zero_rows=int(zero.sum()), nonfinite_rows=int(nonfinite.sum()))
 
     def update_block(
-        self, stored: np.ndarray, real: np.ndarray | None
+        self, stored: np.ndarray, real: np.ndarray | None, rowmax: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Rows [N, L, H] of several samples at once (a writer's shard buffer): the same totals
         as `update` on each sample in turn, up to the order of float64 additions, for a
         fraction of the per-call overhead on small samples. ``real``: which rows belong to a
-        sample (False for alignment padding; None = all). Returns per row whether it is all
+        sample (False for alignment padding; None = all). ``rowmax``: `row_absmax` of
+        ``stored``, where the caller measured it already. Returns per row whether it is all
         zeros, or holds a NaN/Inf, in some layer (so the caller can count per sample)."""
         _, _, nonfinite_at, mantissa, bias = _BITS[self.dtype_name]
         n_layers = stored.shape[1]
-        rowmax = row_absmax(stored, self.dtype_name)  # [T, L]
+        if rowmax is None:
+            rowmax = row_absmax(stored, self.dtype_name)  # [T, L]
         nonfinite = rowmax >= nonfinite_at
         zero = rowmax == 0
         if real is not None:  # padding rows are neither zero rows nor anything else
@@ -236,6 +238,12 @@ class StatsAccumulator:
 
     def to_json(self) -> dict[str, Any]:
         return {"sample_every": self.sample_every, "layers": [s.to_json() for s in self.layers]}
+
+
+def magnitude_dtype(dtype_name: str) -> np.dtype | None:
+    """The dtype of `row_absmax` for states of ``dtype_name`` (None: not measured by bits)."""
+    bits = _BITS.get(dtype_name)
+    return None if bits is None else bits[0]
 
 
 def row_absmax(stored: np.ndarray, dtype_name: str) -> np.ndarray:

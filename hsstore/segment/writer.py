@@ -24,10 +24,10 @@ import torch
 from hsstore.codec import fp8, tiers
 from hsstore.codec.codecs import ChunkCodec, crc32c
 from hsstore.errors import FormatError
-from hsstore.segment.stats import RowFlags, StatsAccumulator
+from hsstore.segment.stats import RowFlags, StatsAccumulator, magnitude_dtype
 from hsstore.spec import paths, zarr_meta
 from hsstore.spec.manifest import FileInfo, Manifest, SegmentInfo, now_iso
-from hsstore.spec.sample_index import INDEX_SCHEMA, sample_checksum
+from hsstore.spec.sample_index import INDEX_SCHEMA, RowHasher, finish_checksum, sample_checksum
 from hsstore.spec.segment_layout import COLUMN_ZSTD_LEVEL, ShardIndex, encode_column
 from hsstore.storage.store import Storage
 
@@ -128,6 +128,17 @@ class SegmentWriter:
         expected = (layout.rows_per_shard, self.manifest.num_layers, self.manifest.hidden_size)
         if self.flusher.shape != expected:
             raise FormatError(f"shard buffer shape {self.flusher.shape} != {expected}")
+        # Unscaled states are copied into the shard buffer, hashed and measured for the
+        # statistics in one compiled pass, which leaves each row's magnitude in ``_rowmax``
+        # (the statistics of the shard take it from there); otherwise each is its own pass.
+        self._magnitudes = None if self.manifest.scaled else magnitude_dtype(stats_dtype)
+        self._hasher = RowHasher() if self._magnitudes and RowHasher.available() else None
+        self._rowmax = self._new_rowmax()
+
+    def _new_rowmax(self) -> np.ndarray | None:
+        if self._hasher is None:
+            return None
+        return np.zeros((self.flusher.shape[0], self.flusher.shape[1]), self._magnitudes)
 
     @property
     def num_samples(self) -> int:
@@ -165,14 +176,19 @@ class SegmentWriter:
             )
             flags = self._stats.update(values.numpy())
             self._scales.append(scales)
-        checksum = sample_checksum(hidden, input_ids, loss_mask, scales)
         t = hidden.shape[0]
-        self._samples.append(
-            _PendingSample(sample_id, self.rows, t, int(loss_mask.sum()), checksum, flags, source)
-        )
+        # In the samples before its rows: flushing a shard looks up which rows are real.
+        sample = _PendingSample(sample_id, self.rows, t, int(loss_mask.sum()), 0, flags, source)
+        self._samples.append(sample)
         self._input_ids.append(input_ids)
         self._loss_masks.append(loss_mask)
-        self._append_rows(hidden)
+        if self._hasher is not None:
+            self._hasher.reset()
+            self._append_rows(np.ascontiguousarray(hidden))  # hashes them as it copies them
+            sample.checksum = finish_checksum(self._hasher, input_ids, loss_mask)
+        else:
+            sample.checksum = sample_checksum(hidden, input_ids, loss_mask, scales)
+            self._append_rows(hidden)
         self.tokens += t
 
     def _pad_to(self, row: int) -> None:
@@ -199,7 +215,12 @@ class SegmentWriter:
         while done < t:
             n = min(t - done, cap - self._rows_in_buffer)
             buf = self.flusher.buffer()
-            buf[self._rows_in_buffer : self._rows_in_buffer + n] = hidden[done : done + n]
+            at = self._rows_in_buffer
+            if self._hasher is not None:
+                self._hasher.copy_rows(hidden[done : done + n], buf[at : at + n],
+                                       self._rowmax[at : at + n])  # fmt: skip
+            else:
+                buf[at : at + n] = hidden[done : done + n]
             self._rows_in_buffer += n
             done += n
             if self._rows_in_buffer == cap:
@@ -208,9 +229,14 @@ class SegmentWriter:
 
     def _flush_shard(self) -> None:
         job = functools.partial(
-            self._write_shard, self._rows_in_buffer, self._shards_written, self._real_rows()
+            self._write_shard,
+            self._rows_in_buffer,
+            self._shards_written,
+            self._real_rows(),
+            self._rowmax,
         )
         self.flusher.submit(job)
+        self._rowmax = self._new_rowmax()
         self._shards_written += 1
         self._rows_in_buffer = 0
 
@@ -229,14 +255,21 @@ class SegmentWriter:
         return real
 
     def _write_shard(
-        self, filled: int, shard: int, real: np.ndarray | None, buffer: np.ndarray
+        self,
+        filled: int,
+        shard: int,
+        real: np.ndarray | None,
+        rowmax: np.ndarray | None,
+        buffer: np.ndarray,
     ) -> None:
-        """Record the statistics of one shard's rows, encode its chunks (in the pool) and
-        write the shard file. Background (shards in order, one at a time)."""
+        """Record the statistics of one shard's rows (``rowmax``: their magnitudes, where
+        measured as they were copied in), encode its chunks (in the pool) and write the shard
+        file. Background (shards in order, one at a time)."""
         if not self.manifest.scaled:
             # One pass per shard rather than per sample: on small samples the per-call cost
             # of the statistics was most of it. Before encoding, which may reuse the buffer.
-            zero, nonfinite = self._stats.update_block(buffer[:filled], real)
+            measured = None if rowmax is None else rowmax[:filled]
+            zero, nonfinite = self._stats.update_block(buffer[:filled], real, measured)
             self._row_flags.append((zero, nonfinite))
         layout = self.manifest.layout
         rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk

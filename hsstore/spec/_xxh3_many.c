@@ -10,12 +10,26 @@
  *
  * Every buffer is held through the buffer protocol for the length of the call, and every span
  * is checked against its buffer's length before any is hashed: nothing else is trusted.
+ *
+ * The writer's side (hsstore.segment.writer): `copy_rows` moves a sample's rows into the shard
+ * buffer, hashes them into the sample's checksum (an XXH3 state held by a capsule, `new_state`)
+ * and takes each row's largest magnitude for the statistics (hsstore.segment.stats,
+ * `row_absmax`) in one pass, each row while it is in the cache: separately, the checksum, the
+ * copy and the statistics each read the whole sample from memory.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define STATE_CAPSULE "hsstore.xxh3_state"
+#define BLOCK_BYTES (16 << 10)
 
 /* Spans are (buffer, offset, length) triples, int64, ``per`` of them for each digest. */
 static PyObject *xxh3_spans(PyObject *self, PyObject *args) {
@@ -89,17 +103,170 @@ done:
     return result;
 }
 
+static void free_state(PyObject *capsule) {
+    XXH3_freeState(PyCapsule_GetPointer(capsule, STATE_CAPSULE));
+}
+
+static PyObject *new_state(PyObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    XXH3_state_t *state = XXH3_createState();
+    if (!state || XXH3_64bits_reset(state) != XXH_OK) {
+        XXH3_freeState(state);
+        return PyErr_NoMemory();
+    }
+    PyObject *capsule = PyCapsule_New(state, STATE_CAPSULE, free_state);
+    if (!capsule)
+        XXH3_freeState(state);
+    return capsule;
+}
+
+static XXH3_state_t *state_of(PyObject *capsule) {
+    return PyCapsule_GetPointer(capsule, STATE_CAPSULE); /* sets TypeError on anything else */
+}
+
+static PyObject *state_reset(PyObject *self, PyObject *capsule) {
+    (void)self;
+    XXH3_state_t *state = state_of(capsule);
+    if (!state)
+        return NULL;
+    XXH3_64bits_reset(state);
+    Py_RETURN_NONE;
+}
+
+static PyObject *state_update(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    Py_buffer data;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oy*:state_update", &capsule, &data))
+        return NULL;
+    XXH3_state_t *state = state_of(capsule);
+    if (state)
+        XXH3_64bits_update(state, data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    if (!state)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *state_digest(PyObject *self, PyObject *capsule) {
+    (void)self;
+    XXH3_state_t *state = state_of(capsule);
+    return state ? PyLong_FromUnsignedLongLong(XXH3_64bits_digest(state)) : NULL;
+}
+
+/* The largest of (value & 0x7FFF) over n 2-byte values: the magnitude bits of a bf16 or
+ * float16, whose order is that of the magnitudes (sign-magnitude floats). */
+static uint16_t magnitude_max16(const uint16_t *v, size_t n) {
+    size_t i = 0;
+    uint16_t best = 0;
+#if defined(__SSE2__)
+    /* With the sign cleared every value is a non-negative int16: the signed max is right. */
+    const __m128i bits = _mm_set1_epi16(0x7FFF);
+    __m128i m0 = _mm_setzero_si128(), m1 = _mm_setzero_si128();
+    for (; i + 16 <= n; i += 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(v + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(v + i + 8));
+        m0 = _mm_max_epi16(m0, _mm_and_si128(a, bits));
+        m1 = _mm_max_epi16(m1, _mm_and_si128(b, bits));
+    }
+    m0 = _mm_max_epi16(m0, m1);
+    m0 = _mm_max_epi16(m0, _mm_srli_si128(m0, 8));
+    m0 = _mm_max_epi16(m0, _mm_srli_si128(m0, 4));
+    m0 = _mm_max_epi16(m0, _mm_srli_si128(m0, 2));
+    best = (uint16_t)_mm_cvtsi128_si32(m0);
+#endif
+    for (; i < n; i++) {
+        uint16_t x = v[i] & 0x7FFF;
+        best = x > best ? x : best;
+    }
+    return best;
+}
+
+static uint32_t magnitude_max32(const uint32_t *v, size_t n) {
+    uint32_t best = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t x = v[i] & 0x7FFFFFFFu;
+        best = x > best ? x : best;
+    }
+    return best;
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    Py_buffer src, dst, rowmax;
+    Py_ssize_t width, itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Oy*w*w*nn:copy_rows", &capsule, &src, &dst, &rowmax, &width,
+                          &itemsize))
+        return NULL;
+    PyObject *result = NULL;
+    XXH3_state_t *state = state_of(capsule);
+    Py_ssize_t row_bytes = width * itemsize;
+    if (!state) {
+        /* TypeError set */
+    } else if ((itemsize != 2 && itemsize != 4) || width < 1) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: 2- or 4-byte values, rows of >= 1");
+    } else if (src.len % row_bytes || dst.len != src.len ||
+               rowmax.len != src.len / row_bytes * itemsize) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: dst must be src's size, rowmax one value per row");
+    } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
+               (const char *)src.buf < (const char *)dst.buf + dst.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst overlap");
+    } else {
+        Py_ssize_t rows = src.len / row_bytes;
+        /* Rows go in blocks of ~16 KiB, which stay in the L1 or L2 cache between the copy,
+         * the hash and the magnitudes. */
+        Py_ssize_t per_block = row_bytes >= BLOCK_BYTES ? 1 : BLOCK_BYTES / row_bytes;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r0 = 0; r0 < rows; r0 += per_block) {
+            Py_ssize_t n = rows - r0 < per_block ? rows - r0 : per_block;
+            const char *in = (const char *)src.buf + r0 * row_bytes;
+            memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
+            XXH3_64bits_update(state, in, (size_t)(n * row_bytes));
+            for (Py_ssize_t r = r0; r < r0 + n; r++, in += row_bytes) {
+                if (itemsize == 2) {
+                    uint16_t m = magnitude_max16((const uint16_t *)in, (size_t)width);
+                    memcpy((char *)rowmax.buf + 2 * r, &m, 2);
+                } else {
+                    uint32_t m = magnitude_max32((const uint32_t *)in, (size_t)width);
+                    memcpy((char *)rowmax.buf + 4 * r, &m, 4);
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&rowmax);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"xxh3_spans", xxh3_spans, METH_VARARGS,
      "xxh3_spans(buffers, spans, per, out)\n--\n\n"
      "Write into out (uint64 each) the XXH3-64 digest of each run of per spans, a span being\n"
      "an int64 triple (index into buffers, byte offset, byte length) that must lie inside its\n"
      "buffer."},
+    {"new_state", new_state, METH_NOARGS,
+     "new_state()\n--\n\nA fresh XXH3-64 state (a capsule), for one thread at a time."},
+    {"state_reset", state_reset, METH_O, "state_reset(state)\n--\n\nStart the state afresh."},
+    {"state_update", state_update, METH_VARARGS,
+     "state_update(state, data)\n--\n\nHash data's bytes into the state."},
+    {"state_digest", state_digest, METH_O,
+     "state_digest(state)\n--\n\nThe XXH3-64 digest of what the state has hashed."},
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(state, src, dst, rowmax, width, itemsize)\n--\n\n"
+     "Copy src into dst (same size, no overlap) and hash it into state; write into rowmax the\n"
+     "largest magnitude bits (value with the sign bit cleared, little-endian, itemsize 2 or 4)\n"
+     "of each row of width values."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_xxh3_many", "Many XXH3-64 digests in one call.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_xxh3_many", "Many XXH3-64 digests in one call; rows copied, hashed and measured in one pass.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__xxh3_many(void) { return PyModule_Create(&module); }

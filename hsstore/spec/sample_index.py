@@ -7,6 +7,7 @@ pass: it feeds the states to the hasher as they are decoded (`finish_checksum` a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -16,9 +17,10 @@ import xxhash
 from hsstore import settings
 
 try:  # built where xxHash's header was there at build time (setup.py)
+    from hsstore.spec import _xxh3_many
     from hsstore.spec._xxh3_many import xxh3_spans
 except ImportError:
-    xxh3_spans = None
+    _xxh3_many = xxh3_spans = None
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -48,7 +50,7 @@ def sample_checksum(
 
 
 def finish_checksum(
-    hasher: xxhash.xxh3_64,
+    hasher: xxhash.xxh3_64 | RowHasher,
     input_ids: np.ndarray,
     loss_mask: np.ndarray,
     scales: np.ndarray | None = None,
@@ -79,3 +81,34 @@ def span_checksums(buffers: Sequence[object], spans: np.ndarray) -> np.ndarray |
     out = np.empty(spans.shape[0], np.uint64)
     xxh3_spans(buffers, spans, spans.shape[1], out)
     return out
+
+
+class RowHasher:
+    """A sample checksum that is fed the states as the writer copies them into its shard
+    buffer (`copy_rows`), each row hashed while it is in the cache; `finish_checksum` takes it
+    as it takes an ``xxhash.xxh3_64``. For one thread at a time."""
+
+    def __init__(self) -> None:
+        self._state = _xxh3_many.new_state()
+
+    @staticmethod
+    def available() -> bool:
+        """Whether the compiled module has it (`fast_hashing`, and built with `copy_rows`),
+        on a little-endian machine (the stored byte order, which `copy_rows` reads natively)."""
+        return fast_hashing() and hasattr(_xxh3_many, "copy_rows") and sys.byteorder == "little"
+
+    def reset(self) -> None:
+        _xxh3_many.state_reset(self._state)
+
+    def update(self, data: object) -> None:
+        _xxh3_many.state_update(self._state, data)
+
+    def intdigest(self) -> int:
+        return _xxh3_many.state_digest(self._state)
+
+    def copy_rows(self, src: np.ndarray, dst: np.ndarray, rowmax: np.ndarray) -> None:
+        """Copy ``src`` [N, L, H] (2- or 4-byte values) into ``dst`` (same shape, C-contiguous
+        both), hash it, and write into ``rowmax`` [N, L] the largest magnitude bits of each
+        row (the values' bits with the sign cleared, as `hsstore.segment.stats.row_absmax`
+        gives them), in one pass."""
+        _xxh3_many.copy_rows(self._state, src, dst, rowmax, src.shape[-1], src.itemsize)
