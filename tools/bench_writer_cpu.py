@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--commit-every", type=int, default=16)
+    ap.add_argument("--commit-every", type=int, default=512)  # as `hsstore extract`
     ap.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     args = ap.parse_args()
     result = run(args.samples, args.tokens, args.hidden, args.layers, args.commit_every)

@@ -192,6 +192,52 @@ static uint32_t magnitude_max32(const uint32_t *v, size_t n) {
     return best;
 }
 
+static void measure_rows(const char *in, char *rowmax, Py_ssize_t rows, Py_ssize_t width,
+                         Py_ssize_t itemsize) {
+    for (Py_ssize_t r = 0; r < rows; r++, in += width * itemsize) {
+        if (itemsize == 2) {
+            uint16_t m = magnitude_max16((const uint16_t *)in, (size_t)width);
+            memcpy(rowmax + 2 * r, &m, 2);
+        } else {
+            uint32_t m = magnitude_max32((const uint32_t *)in, (size_t)width);
+            memcpy(rowmax + 4 * r, &m, 4);
+        }
+    }
+}
+
+/* The checks both calls make of their row buffers; 0 with an exception set if one fails. */
+static int rows_fit(const Py_buffer *src, const Py_buffer *rowmax, Py_ssize_t width,
+                    Py_ssize_t itemsize, const char *what) {
+    if ((itemsize != 2 && itemsize != 4) || width < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: 2- or 4-byte values, rows of >= 1", what);
+        return 0;
+    }
+    Py_ssize_t row_bytes = width * itemsize;
+    if (src->len % row_bytes || rowmax->len != src->len / row_bytes * itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: whole rows, and one value of rowmax per row", what);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *row_magnitudes(PyObject *self, PyObject *args) {
+    Py_buffer src, rowmax;
+    Py_ssize_t width, itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*nn:row_magnitudes", &src, &rowmax, &width, &itemsize))
+        return NULL;
+    PyObject *result = NULL;
+    if (rows_fit(&src, &rowmax, width, itemsize, "row_magnitudes")) {
+        Py_BEGIN_ALLOW_THREADS
+        measure_rows(src.buf, rowmax.buf, src.len / (width * itemsize), width, itemsize);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&rowmax);
+    return result;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *capsule;
     Py_buffer src, dst, rowmax;
@@ -203,14 +249,10 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     XXH3_state_t *state = state_of(capsule);
     Py_ssize_t row_bytes = width * itemsize;
-    if (!state) {
-        /* TypeError set */
-    } else if ((itemsize != 2 && itemsize != 4) || width < 1) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: 2- or 4-byte values, rows of >= 1");
-    } else if (src.len % row_bytes || dst.len != src.len ||
-               rowmax.len != src.len / row_bytes * itemsize) {
-        PyErr_SetString(PyExc_ValueError,
-                        "copy_rows: dst must be src's size, rowmax one value per row");
+    if (!state || !rows_fit(&src, &rowmax, width, itemsize, "copy_rows")) {
+        /* the exception is set */
+    } else if (dst.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: dst must be src's size");
     } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
                (const char *)src.buf < (const char *)dst.buf + dst.len) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst overlap");
@@ -225,15 +267,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
             const char *in = (const char *)src.buf + r0 * row_bytes;
             memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
             XXH3_64bits_update(state, in, (size_t)(n * row_bytes));
-            for (Py_ssize_t r = r0; r < r0 + n; r++, in += row_bytes) {
-                if (itemsize == 2) {
-                    uint16_t m = magnitude_max16((const uint16_t *)in, (size_t)width);
-                    memcpy((char *)rowmax.buf + 2 * r, &m, 2);
-                } else {
-                    uint32_t m = magnitude_max32((const uint32_t *)in, (size_t)width);
-                    memcpy((char *)rowmax.buf + 4 * r, &m, 4);
-                }
-            }
+            measure_rows(in, (char *)rowmax.buf + r0 * itemsize, n, width, itemsize);
         }
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
@@ -257,6 +291,10 @@ static PyMethodDef methods[] = {
      "state_update(state, data)\n--\n\nHash data's bytes into the state."},
     {"state_digest", state_digest, METH_O,
      "state_digest(state)\n--\n\nThe XXH3-64 digest of what the state has hashed."},
+    {"row_magnitudes", row_magnitudes, METH_VARARGS,
+     "row_magnitudes(src, rowmax, width, itemsize)\n--\n\n"
+     "Write into rowmax the largest magnitude bits of each row of width values of src (as\n"
+     "copy_rows does, without the copy and the hash)."},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(state, src, dst, rowmax, width, itemsize)\n--\n\n"
      "Copy src into dst (same size, no overlap) and hash it into state; write into rowmax the\n"

@@ -83,6 +83,19 @@ def span_checksums(buffers: Sequence[object], spans: np.ndarray) -> np.ndarray |
     return out
 
 
+def row_magnitudes(stored: np.ndarray, rowmax: np.ndarray) -> bool:
+    """Write into ``rowmax`` [..., L] the largest magnitude bits of each row of ``stored``
+    [..., L, H] (2- or 4-byte values, C-contiguous) in one compiled pass, as
+    `RowHasher.copy_rows` measures them; False, having written nothing, where the compiled
+    module does not have it (`RowHasher.available`) or the arrays do not fit it."""
+    if not (RowHasher.available() and stored.itemsize in (2, 4) and stored.shape[-1]):
+        return False
+    if not (stored.flags.c_contiguous and rowmax.flags.c_contiguous):
+        return False
+    _xxh3_many.row_magnitudes(stored, rowmax, stored.shape[-1], stored.itemsize)
+    return True
+
+
 class RowHasher:
     """A sample checksum that is fed the states as the writer copies them into its shard
     buffer (`copy_rows`), each row hashed while it is in the cache; `finish_checksum` takes it
@@ -95,7 +108,9 @@ class RowHasher:
     def available() -> bool:
         """Whether the compiled module has it (`fast_hashing`, and built with `copy_rows`),
         on a little-endian machine (the stored byte order, which `copy_rows` reads natively)."""
-        return fast_hashing() and hasattr(_xxh3_many, "copy_rows") and sys.byteorder == "little"
+        return (
+            fast_hashing() and hasattr(_xxh3_many, "row_magnitudes") and sys.byteorder == "little"
+        )
 
     def reset(self) -> None:
         _xxh3_many.state_reset(self._state)
