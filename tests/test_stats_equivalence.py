@@ -25,6 +25,7 @@ from hsstore.segment.stats import (
     StatsAccumulator,
     magnitude_dtype,
     row_absmax,
+    widen,
 )
 from hsstore.spec import paths
 from hsstore.spec.sample_index import RowHasher, finish_checksum, sample_checksum
@@ -178,8 +179,9 @@ def test_block_stats_equal_per_sample_stats(dtype):
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rows_copied_in_one_pass_are_copied_hashed_and_measured_exactly(dtype):
-    """The writer's compiled pass: the copy, the checksum and each row's magnitude bits are
-    those of a plain copy, xxhash and `row_absmax`, over pieces of samples of any length."""
+    """The writer's compiled pass: the copy, the checksum, each row's magnitude bits and the
+    sampled rows' floats are those of a plain copy, xxhash, `row_absmax` and `widen`, over
+    pieces of samples of any length."""
     name = str(dtype).removeprefix("torch.")
     g = torch.Generator().manual_seed(3)
     hasher = RowHasher()
@@ -191,11 +193,19 @@ def test_rows_copied_in_one_pass_are_copied_hashed_and_measured_exactly(dtype):
         hasher.reset()
         cut = t // 3
         hasher.copy_rows(stored[:cut], dst[:cut], rowmax[:cut])
-        hasher.copy_rows(stored[cut:], dst[cut:], rowmax[cut:])
+        widens = dtype != torch.float16  # the pass widens bf16 and float32 rows
+        every, first = 3, 1
+        floats = np.full((len(range(first, t - cut, every)), 3, 96), 7.0, np.float32)
+        hasher.copy_rows(stored[cut:], dst[cut:], rowmax[cut:],
+                         *((floats, first, every) if widens else ()))  # fmt: skip
         ids, mask = np.arange(t, dtype="<i4"), np.ones(t, "<u1")
         assert np.array_equal(dst.view(np.uint8), stored.view(np.uint8))
         assert np.array_equal(rowmax, row_absmax(stored, name))
         assert finish_checksum(hasher, ids, mask) == sample_checksum(stored, ids, mask)
+        if widens:
+            want = stored[cut:][first::every]
+            want = widen(want, name, np.empty(want.shape, np.float32))
+            assert np.array_equal(floats.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="overlap"):
         hasher.copy_rows(stored, stored, rowmax)
 

@@ -180,13 +180,18 @@ class StatsAccumulator:
         return RowFlags(zero_rows=int(zero.sum()), nonfinite_rows=int(nonfinite.sum()))
 
     def update_block(
-        self, stored: np.ndarray, real: np.ndarray | None, rowmax: np.ndarray | None = None
+        self,
+        stored: np.ndarray,
+        real: np.ndarray | None,
+        rowmax: np.ndarray | None = None,
+        sampled: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Rows [N, L, H] of several samples at once (a writer's shard buffer): the same totals
         as `update` on each sample in turn, up to the order of float64 additions, for a
         fraction of the per-call overhead on small samples. ``real``: which rows belong to a
         sample (False for alignment padding; None = all). ``rowmax``: `row_absmax` of
-        ``stored``, where the caller measured it already. Returns per row whether it is all
+        ``stored``, and ``sampled``: its sampled rows (`sampled_rows`) as float32 (overwritten),
+        where the caller has them already. Returns per row whether it is all
         zeros, or holds a NaN/Inf, in some layer (so the caller can count per sample)."""
         _, _, nonfinite_at, mantissa, bias = _BITS[self.dtype_name]
         n_layers = stored.shape[1]
@@ -219,8 +224,10 @@ class StatsAccumulator:
         else:
             picked = np.flatnonzero(real)[start :: self.sample_every]
         ok = ~nonfinite[picked]  # [t', L]
+        if sampled is not None and sampled.shape[0] != ok.shape[0]:
+            raise ValueError(f"{sampled.shape[0]} sampled rows given, {ok.shape[0]} picked")
         if ok.shape[0]:
-            values = self._sampled_floats(stored[picked])
+            values = self._sampled_floats(stored[picked]) if sampled is None else sampled
             counts, sums, sumsqs, mins, maxs = sampled_moments(values, ok)
             has = counts > 0  # a layer with no finite sampled row keeps its totals
             self._sampled += np.where(has, counts, 0)
@@ -229,6 +236,12 @@ class StatsAccumulator:
             self._min = np.where(has, np.minimum(self._min, mins), self._min)
             self._max = np.where(has, np.maximum(self._max, maxs), self._max)
         return zero.any(axis=1), nonfinite.any(axis=1)
+
+    def sampled_rows(self, rows_before: int, rows: int) -> tuple[int, int]:
+        """Which of ``rows`` real rows, after ``rows_before`` real rows of this accumulator,
+        `update_block` samples: (the first, how many); every ``sample_every``-th follows."""
+        first = (-rows_before) % self.sample_every
+        return first, max(0, -(-(rows - first) // self.sample_every))
 
     def _sampled_floats(self, sampled: np.ndarray) -> np.ndarray:
         """The sampled rows (storage dtype) as float32 in a reused buffer (exact: every storage

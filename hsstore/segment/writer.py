@@ -134,6 +134,12 @@ class SegmentWriter:
         self._magnitudes = None if self.manifest.scaled else magnitude_dtype(stats_dtype)
         self._hasher = RowHasher() if self._magnitudes and RowHasher.available() else None
         self._rowmax = self._new_rowmax()
+        # The same pass widens the rows the statistics sample (of the dtypes it knows how to)
+        # into one of two float buffers, a shard's each: one filled, one read in the background.
+        self._widens = self._hasher is not None and stats_dtype in ("bfloat16", "float32")
+        self._floats: list[np.ndarray | None] = [None, None]
+        self._floats_at = 0
+        self._picked = 0  # sampled rows in the current float buffer
 
     def _new_rowmax(self) -> np.ndarray | None:
         if self._hasher is None:
@@ -217,8 +223,9 @@ class SegmentWriter:
             buf = self.flusher.buffer()
             at = self._rows_in_buffer
             if self._hasher is not None:
+                floats, first, every = self._sampled_slot(done, n)
                 self._hasher.copy_rows(hidden[done : done + n], buf[at : at + n],
-                                       self._rowmax[at : at + n])  # fmt: skip
+                                       self._rowmax[at : at + n], floats, first, every)  # fmt: skip
             else:
                 buf[at : at + n] = hidden[done : done + n]
             self._rows_in_buffer += n
@@ -227,16 +234,36 @@ class SegmentWriter:
                 self._flush_shard()
         self.rows += t
 
+    def _sampled_slot(self, done: int, n: int) -> tuple[np.ndarray | None, int, int]:
+        """Where the pass puts the sampled rows among rows ``done .. done + n`` of the sample
+        being added, the first of them and the step (step 0: none, the statistics widen their
+        sampled rows themselves)."""
+        if not self._widens:
+            return None, 0, 0
+        first, count = self._stats.sampled_rows(self.tokens + done, n)
+        floats = self._floats[self._floats_at]
+        if floats is None:
+            rows = -(-self.flusher.shape[0] // self._stats.sample_every)
+            floats = np.empty((rows, *self.flusher.shape[1:]), np.float32)
+            self._floats[self._floats_at] = floats
+        self._picked += count
+        return floats[self._picked - count : self._picked], first, self._stats.sample_every
+
     def _flush_shard(self) -> None:
+        floats = self._floats[self._floats_at]
         job = functools.partial(
             self._write_shard,
             self._rows_in_buffer,
             self._shards_written,
             self._real_rows(),
             self._rowmax,
+            None if floats is None else floats[: self._picked],
         )
+        # Once submitted, the shard before it is written: its float buffer is free.
         self.flusher.submit(job)
         self._rowmax = self._new_rowmax()
+        self._floats_at ^= 1
+        self._picked = 0
         self._shards_written += 1
         self._rows_in_buffer = 0
 
@@ -260,16 +287,18 @@ class SegmentWriter:
         shard: int,
         real: np.ndarray | None,
         rowmax: np.ndarray | None,
+        sampled: np.ndarray | None,
         buffer: np.ndarray,
     ) -> None:
-        """Record the statistics of one shard's rows (``rowmax``: their magnitudes, where
-        measured as they were copied in), encode its chunks (in the pool) and write the shard
-        file. Background (shards in order, one at a time)."""
+        """Record the statistics of one shard's rows (``rowmax``: their magnitudes, and
+        ``sampled``: the floats of the rows they sample, where taken as they were copied in),
+        encode its chunks (in the pool) and write the shard file. Background (shards in order,
+        one at a time)."""
         if not self.manifest.scaled:
             # One pass per shard rather than per sample: on small samples the per-call cost
             # of the statistics was most of it. Before encoding, which may reuse the buffer.
             measured = None if rowmax is None else rowmax[:filled]
-            zero, nonfinite = self._stats.update_block(buffer[:filled], real, measured)
+            zero, nonfinite = self._stats.update_block(buffer[:filled], real, measured, sampled)
             self._row_flags.append((zero, nonfinite))
         layout = self.manifest.layout
         rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk

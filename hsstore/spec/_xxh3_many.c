@@ -12,10 +12,11 @@
  * is checked against its buffer's length before any is hashed: nothing else is trusted.
  *
  * The writer's side (hsstore.segment.writer): `copy_rows` moves a sample's rows into the shard
- * buffer, hashes them into the sample's checksum (an XXH3 state held by a capsule, `new_state`)
- * and takes each row's largest magnitude for the statistics (hsstore.segment.stats,
- * `row_absmax`) in one pass, each row while it is in the cache: separately, the checksum, the
- * copy and the statistics each read the whole sample from memory.
+ * buffer, hashes them into the sample's checksum (an XXH3 state held by a capsule, `new_state`),
+ * takes each row's largest magnitude for the statistics (hsstore.segment.stats, `row_absmax`)
+ * and widens the rows the statistics sample to float32, in one pass, each row while it is in
+ * the cache: separately, the checksum, the copy and the statistics each read the whole sample
+ * from memory.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -238,17 +239,43 @@ static PyObject *row_magnitudes(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* A sampled row as float32: a bf16 is the high half of the float32 of the same value; a
+ * float32 is itself. */
+static void widen_row(uint32_t *out, const char *in, Py_ssize_t n, Py_ssize_t itemsize) {
+    if (itemsize == 4) {
+        memcpy(out, in, (size_t)n * 4);
+        return;
+    }
+    const uint16_t *v = (const uint16_t *)in;
+    Py_ssize_t i = 0;
+#if defined(__SSE2__)
+    const __m128i zero = _mm_setzero_si128();
+    for (; i + 8 <= n; i += 8) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(v + i));
+        _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi16(zero, x));
+        _mm_storeu_si128((__m128i *)(out + i + 4), _mm_unpackhi_epi16(zero, x));
+    }
+#endif
+    for (; i < n; i++)
+        out[i] = (uint32_t)v[i] << 16;
+}
+
+/* How many of ``tokens`` token rows are picked: first, first + every, ... (none if every is 0). */
+static Py_ssize_t picks(Py_ssize_t tokens, Py_ssize_t first, Py_ssize_t every) {
+    return every < 1 || first >= tokens ? 0 : (tokens - first + every - 1) / every;
+}
+
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    Py_buffer src, dst, rowmax;
-    Py_ssize_t width, itemsize;
+    Py_buffer src, dst, rowmax, sampled;
+    Py_ssize_t width, itemsize, layers, first, every;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Oy*w*w*nn:copy_rows", &capsule, &src, &dst, &rowmax, &width,
-                          &itemsize))
+    if (!PyArg_ParseTuple(args, "Oy*w*w*nnw*nnn:copy_rows", &capsule, &src, &dst, &rowmax,
+                          &width, &itemsize, &sampled, &layers, &first, &every))
         return NULL;
     PyObject *result = NULL;
     XXH3_state_t *state = state_of(capsule);
-    Py_ssize_t row_bytes = width * itemsize;
+    Py_ssize_t row_bytes = width * itemsize, token_bytes = row_bytes * layers;
     if (!state || !rows_fit(&src, &rowmax, width, itemsize, "copy_rows")) {
         /* the exception is set */
     } else if (dst.len != src.len) {
@@ -256,10 +283,14 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
                (const char *)src.buf < (const char *)dst.buf + dst.len) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst overlap");
+    } else if (layers < 1 || src.len % token_bytes || first < 0 || every < 0 ||
+               sampled.len != picks(src.len / token_bytes, first, every) * layers * width * 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: sampled must hold the picked token rows as float32");
     } else {
         Py_ssize_t rows = src.len / row_bytes;
-        /* Rows go in blocks of ~16 KiB, which stay in the L1 or L2 cache between the copy,
-         * the hash and the magnitudes. */
+        /* Rows go in blocks of ~16 KiB, which stay in the L1 cache between the copy, the
+         * hash, the magnitudes and the sampled rows' floats. */
         Py_ssize_t per_block = row_bytes >= BLOCK_BYTES ? 1 : BLOCK_BYTES / row_bytes;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r0 = 0; r0 < rows; r0 += per_block) {
@@ -268,6 +299,12 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
             memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
             XXH3_64bits_update(state, in, (size_t)(n * row_bytes));
             measure_rows(in, (char *)rowmax.buf + r0 * itemsize, n, width, itemsize);
+            for (Py_ssize_t r = r0; every > 0 && r < r0 + n; r++) {
+                Py_ssize_t t = r / layers - first;
+                if (t >= 0 && t % every == 0)
+                    widen_row((uint32_t *)sampled.buf + (t / every * layers + r % layers) * width,
+                              (const char *)src.buf + r * row_bytes, width, itemsize);
+            }
         }
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
@@ -275,6 +312,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&rowmax);
+    PyBuffer_Release(&sampled);
     return result;
 }
 
@@ -296,10 +334,12 @@ static PyMethodDef methods[] = {
      "Write into rowmax the largest magnitude bits of each row of width values of src (as\n"
      "copy_rows does, without the copy and the hash)."},
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(state, src, dst, rowmax, width, itemsize)\n--\n\n"
+     "copy_rows(state, src, dst, rowmax, width, itemsize, sampled, layers, first, every)\n"
+     "--\n\n"
      "Copy src into dst (same size, no overlap) and hash it into state; write into rowmax the\n"
      "largest magnitude bits (value with the sign bit cleared, little-endian, itemsize 2 or 4)\n"
-     "of each row of width values."},
+     "of each row of width values; and into sampled, as float32 (itemsize 2: bf16), the token\n"
+     "rows (layers rows each) first, first + every, ... (none with every 0)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -96,6 +96,9 @@ def row_magnitudes(stored: np.ndarray, rowmax: np.ndarray) -> bool:
     return True
 
 
+_NO_FLOATS = np.empty(0, np.float32)
+
+
 class RowHasher:
     """A sample checksum that is fed the states as the writer copies them into its shard
     buffer (`copy_rows`), each row hashed while it is in the cache; `finish_checksum` takes it
@@ -121,9 +124,22 @@ class RowHasher:
     def intdigest(self) -> int:
         return _xxh3_many.state_digest(self._state)
 
-    def copy_rows(self, src: np.ndarray, dst: np.ndarray, rowmax: np.ndarray) -> None:
+    def copy_rows(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        rowmax: np.ndarray,
+        sampled: np.ndarray | None = None,
+        first: int = 0,
+        every: int = 0,
+    ) -> None:
         """Copy ``src`` [N, L, H] (2- or 4-byte values) into ``dst`` (same shape, C-contiguous
         both), hash it, and write into ``rowmax`` [N, L] the largest magnitude bits of each
         row (the values' bits with the sign cleared, as `hsstore.segment.stats.row_absmax`
-        gives them), in one pass."""
-        _xxh3_many.copy_rows(self._state, src, dst, rowmax, src.shape[-1], src.itemsize)
+        gives them), in one pass. With ``every`` > 0 also write into ``sampled`` [k, L, H]
+        float32 the rows ``first``, ``first + every``, ... of ``src`` (bf16 or float32) as
+        float32 values."""
+        if sampled is None:
+            sampled = _NO_FLOATS
+        _xxh3_many.copy_rows(self._state, src, dst, rowmax, src.shape[-1], src.itemsize,
+                             sampled, src.shape[1], first, every)  # fmt: skip
