@@ -15,7 +15,7 @@ PORTABLE_TESTS := tests/test_codec_split_frames.py tests/test_batch_checksums.py
 .PHONY: demo test test-sglang test-vllm schemas
 
 # Re-run the installer when the dependencies, the compiled module or the installer change.
-$(INSTALLED): pyproject.toml setup.py hsstore/codec/_split_decoder.c hsstore/spec/_xxh3_many.c hsstore/storage/_pread_many.c scripts/install.sh
+$(INSTALLED): pyproject.toml setup.py hsstore/codec/_split_decoder.c hsstore/codec/byte_planes.h hsstore/spec/_xxh3_many.c hsstore/storage/_pread_many.c scripts/install.sh
 	bash scripts/install.sh
 	touch $@
 

@@ -16,12 +16,14 @@ setup(
         Extension(
             "hsstore.codec._split_decoder",
             sources=["hsstore/codec/_split_decoder.c"],
+            depends=["hsstore/codec/byte_planes.h"],
             libraries=["zstd"],
             optional=True,
         ),
         Extension(
             "hsstore.spec._xxh3_many",
             sources=["hsstore/spec/_xxh3_many.c"],
+            depends=["hsstore/codec/byte_planes.h"],
             optional=True,
         ),
         Extension("hsstore.storage._pread_many", sources=["hsstore/storage/_pread_many.c"]),

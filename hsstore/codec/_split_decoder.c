@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <zstd.h>
 
+#include "byte_planes.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -156,30 +158,6 @@ static PyObject *decode_split_frame(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* The encoder's side: low[i] = in[2i], high[i] = in[2i + 1]. ``low`` may be ``in`` itself
- * (the planes of a chunk the caller no longer needs, the low one in the chunk's own, warm
- * memory): every store lands at or before the bytes already loaded, so a forward pass reads
- * each value before it is overwritten. */
-static void split(uint8_t *low, uint8_t *high, const uint8_t *in, size_t n) {
-    size_t i = 0;
-#if defined(__SSE2__)
-    const __m128i low_byte = _mm_set1_epi16(0x00FF);
-    for (; i + 16 <= n; i += 16) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(in + 2 * i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(in + 2 * i + 16));
-        __m128i lo = _mm_packus_epi16(_mm_and_si128(a, low_byte), _mm_and_si128(b, low_byte));
-        __m128i hi = _mm_packus_epi16(_mm_srli_epi16(a, 8), _mm_srli_epi16(b, 8));
-        _mm_storeu_si128((__m128i *)(low + i), lo);
-        _mm_storeu_si128((__m128i *)(high + i), hi);
-    }
-#endif
-    for (; i < n; i++) {
-        uint8_t lo = in[2 * i], hi = in[2 * i + 1];
-        low[i] = lo;
-        high[i] = hi;
-    }
-}
-
 static int overlaps(const Py_buffer *a, const Py_buffer *b) {
     const char *a0 = a->buf, *b0 = b->buf;
     return a0 < b0 + b->len && b0 < a0 + a->len;
@@ -199,7 +177,7 @@ static PyObject *split_planes(PyObject *self, PyObject *args) {
                         "split_planes: only the low plane may share memory, at the input's start");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        split(low.buf, high.buf, in.buf, (size_t)low.len);
+        split_bytes(low.buf, high.buf, in.buf, (size_t)low.len);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }

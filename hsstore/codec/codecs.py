@@ -216,11 +216,7 @@ class ChunkCodec:
         raw = memoryview(np.ascontiguousarray(chunk)).cast("B")
         if self.config.name == "split-zstd":
             own = reuse_input and chunk.flags.c_contiguous and chunk.flags.writeable
-            body_parts = self._encode_split(raw, np.frombuffer(raw, np.uint8) if own else None)
-            crc = 0
-            for part in body_parts:
-                crc = crc32c(part, crc)
-            return [*body_parts, struct.pack("<I", crc)]
+            return _with_crc(self._encode_split(raw, np.frombuffer(raw, np.uint8) if own else None))
         if self.config.compressed:
             body: bytes | memoryview = _blosc.compress(
                 raw, self.config.cname.encode(), self.config.clevel, self._shuffle,
@@ -229,6 +225,25 @@ class ChunkCodec:
         else:
             body = raw
         return [body, struct.pack("<I", crc32c(body))]
+
+    def takes_planes(self, nbytes: int) -> bool:
+        """Whether `encode_planes` encodes chunks of ``nbytes``: ``split-zstd`` chunks of 2-byte
+        values large enough to be split (on the compiled path, the one that splits them)."""
+        return (
+            self.config.name == "split-zstd"
+            and self.itemsize == 2
+            and self._split_planes is not None
+            and nbytes % 2 == 0
+            and nbytes // 2 >= _MIN_SPLIT_BYTES
+        )
+
+    def encode_planes(self, planes: np.ndarray) -> list[bytes | memoryview]:
+        """`encode` of a chunk given as its byte planes (``planes``: the low bytes of all its
+        values, then the high bytes; a C-contiguous uint8 array of a size `takes_planes`
+        accepts): the same pieces, byte for byte. Raw planes are stored as they lie, so
+        ``planes`` must stay unchanged until the pieces are written."""
+        m = planes.nbytes // 2
+        return _with_crc(self._frame([planes[:m], planes[m:]], planes.nbytes, True, kept=2))
 
     def _encode_split(
         self, raw: memoryview, raw_home: np.ndarray | None
@@ -242,13 +257,7 @@ class ChunkCodec:
         """
         nbytes, k = len(raw), self.itemsize
         split = k > 1 and nbytes // k >= _MIN_SPLIT_BYTES
-        flags = _ZSTD_FORMAT_FLAGS | (_FLAG_SHUFFLE if k > 1 else 0)
-        if not split:
-            flags |= _FLAG_DONT_SPLIT
-        local = self._local
-        if getattr(local, "zstd", None) is None:
-            local.zstd = zstandard.ZstdCompressor(compression_params=self._zstd_params)
-            local.scratch = np.empty(0, np.uint8)
+        local = self._thread_state()
         if local.scratch.nbytes < nbytes:
             local.scratch = np.empty(nbytes, np.uint8)
         # The shuffled bytes: byte b of every value, for b = 0 .. k-1 (what blosc's unshuffle
@@ -278,21 +287,50 @@ class ChunkCodec:
         streams = [shuffled[b * m : (b + 1) * m] for b in range(k)] if split else [shuffled]
         if in_place:
             streams[0] = raw_home[:m]
+        return self._frame(streams, nbytes, split, kept=int(in_place), raw_home=raw_home)
+
+    def _thread_state(self) -> threading.local:
+        """This thread's zstd context and scratch (the writer encodes in a pool)."""
+        local = self._local
+        if getattr(local, "zstd", None) is None:
+            local.zstd = zstandard.ZstdCompressor(compression_params=self._zstd_params)
+            local.scratch = np.empty(0, np.uint8)
+        return local
+
+    def _frame(
+        self,
+        streams: list[np.ndarray],
+        nbytes: int,
+        split: bool,
+        *,
+        kept: int,
+        raw_home: np.ndarray | None = None,
+    ) -> list[bytes | memoryview]:
+        """The frame of a chunk of ``nbytes`` from its ``streams`` (its byte planes, or with
+        ``split`` false the shuffled chunk whole): each zstd-coded, or raw where zstd does not
+        save 1/16. The first ``kept`` streams lie where they may be stored raw (memory
+        unchanged until written; in ``raw_home`` back to back, where there is one); other raw
+        streams are copied into ``raw_home`` after them or, without one, to fresh memory."""
+        k = self.itemsize
+        flags = _ZSTD_FORMAT_FLAGS | (_FLAG_SHUFFLE if k > 1 else 0)
+        if not split:
+            flags |= _FLAG_DONT_SPLIT
+        zstd = self._thread_state().zstd
         parts: list[bytes | memoryview] = []
-        raw_at = 0
+        raw_at = sum(stream.nbytes for stream in streams[:kept])
         for b, stream in enumerate(streams):
             size = stream.nbytes
             body: bytes | memoryview | None = None
             # The last stream holds the high bytes (sign and exponent): always worth coding.
             # The others (mantissa noise, unless padding or low-precision data) are probed.
-            if size and (b == len(streams) - 1 or _worth_compressing(stream, local.zstd)):
-                packed = local.zstd.compress(stream)
+            if size and (b == len(streams) - 1 or _worth_compressing(stream, zstd)):
+                packed = zstd.compress(stream)
                 # Raw unless zstd saves 1/16: raw streams decode as a copy. A packed stream of
                 # exactly ``size`` bytes would be read as raw, which the margin rules out.
                 if len(packed) < size - size // 16:
                     body = packed
-            if body is None and in_place and b == 0:  # already where it is stored
-                body, raw_at = stream.data, size
+            if body is None and b < kept:  # already where it is stored
+                body = stream.data
             elif body is None:  # raw: out of the scratch, which the next chunk overwrites
                 if raw_home is not None:
                     home = raw_home[raw_at : raw_at + size]
@@ -433,6 +471,14 @@ class _SplitDecoder:
         if got < 0:
             raise IntegrityError("chunk does not decode (zstd stream)", path=what)
         return got == 1
+
+
+def _with_crc(body_parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """An encoded chunk's pieces: its body's, then the crc32c of them all."""
+    crc = 0
+    for part in body_parts:
+        crc = crc32c(part, crc)
+    return [*body_parts, struct.pack("<I", crc)]
 
 
 def _worth_compressing(stream: np.ndarray, zstd: zstandard.ZstdCompressor) -> bool:

@@ -140,6 +140,30 @@ class SegmentWriter:
         self._floats: list[np.ndarray | None] = [None, None]
         self._floats_at = 0
         self._picked = 0  # sampled rows in the current float buffer
+        # Then no one reads the values in the shard buffer but the encoder: where it takes
+        # chunks as byte planes, the pass splits each row into its chunk's planes as it copies
+        # it, and the encoder codes them as they lie.
+        chunk = self._chunk_values() * self.manifest.storage_dtype.itemsize
+        self._planes = (
+            self._widens
+            and layout.layers_per_chunk == self.manifest.num_layers
+            and self._codec.takes_planes(chunk)
+        )
+
+    def _chunk_values(self) -> int:
+        layout = self.manifest.layout
+        return layout.rows_per_chunk * layout.layers_per_chunk * self.manifest.hidden_size
+
+    def _zero_rows(self, buffer: np.ndarray, lo: int, hi: int) -> None:
+        """Zeros in rows ``lo .. hi`` of a shard buffer (in both planes of their chunks, where
+        it holds planes)."""
+        if not self._planes:
+            buffer[lo:hi] = 0
+            return
+        rpc = self.manifest.layout.rows_per_chunk
+        planes = buffer.reshape(-1).view(np.uint8).reshape(-1, 2, rpc, buffer[0].size)
+        for c in range(lo // rpc, -(-hi // rpc)):
+            planes[c, :, max(lo - c * rpc, 0) : min(hi - c * rpc, rpc)] = 0
 
     def _new_rowmax(self) -> np.ndarray | None:
         if self._hasher is None:
@@ -204,8 +228,7 @@ class SegmentWriter:
         if not pad:
             return
         # A shard holds whole chunks, so padding up to a chunk boundary stays in this shard.
-        buf = self.flusher.buffer()
-        buf[self._rows_in_buffer : self._rows_in_buffer + pad] = 0
+        self._zero_rows(self.flusher.buffer(), self._rows_in_buffer, self._rows_in_buffer + pad)
         self._rows_in_buffer += pad
         self.rows += pad
         for column in (self._input_ids, self._loss_masks):
@@ -224,8 +247,13 @@ class SegmentWriter:
             at = self._rows_in_buffer
             if self._hasher is not None:
                 floats, first, every = self._sampled_slot(done, n)
-                self._hasher.copy_rows(hidden[done : done + n], buf[at : at + n],
-                                       self._rowmax[at : at + n], floats, first, every)  # fmt: skip
+                rows, rowmax = hidden[done : done + n], self._rowmax[at : at + n]
+                if self._planes:
+                    rpc = self.manifest.layout.rows_per_chunk
+                    self._hasher.copy_rows(rows, buf, rowmax, floats, first, every,
+                                           chunk_rows=rpc, at=at)  # fmt: skip
+                else:
+                    self._hasher.copy_rows(rows, buf[at : at + n], rowmax, floats, first, every)
             else:
                 buf[at : at + n] = hidden[done : done + n]
             self._rows_in_buffer += n
@@ -251,6 +279,8 @@ class SegmentWriter:
 
     def _flush_shard(self) -> None:
         floats = self._floats[self._floats_at]
+        if floats is None and self._widens:  # no sampled row yet: none to take
+            floats = np.empty((0, *self.flusher.shape[1:]), np.float32)
         job = functools.partial(
             self._write_shard,
             self._rows_in_buffer,
@@ -304,15 +334,21 @@ class SegmentWriter:
         rpc, lpc = layout.rows_per_chunk, layout.layers_per_chunk
         n_layer_chunks = self.manifest.num_layers // lpc
         row_chunks = -(-filled // rpc)
-        buffer[filled : row_chunks * rpc] = 0  # the edge chunk is padded with fill
-        pieces = [
-            buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
-            for c in range(row_chunks)
-            for j in range(n_layer_chunks)
-        ]
-        # The buffer is not read again until this shard is written, so raw parts of a chunk
-        # may live in the chunk's own (warm) memory.
-        encode = functools.partial(self._codec.encode, reuse_input=True)
+        self._zero_rows(buffer, filled, row_chunks * rpc)  # the edge chunk is padded with fill
+        if self._planes:  # whole chunks of rows, each as its byte planes
+            size = self._chunk_values() * buffer.itemsize
+            flat = buffer.reshape(-1).view(np.uint8)
+            pieces = [flat[c * size : (c + 1) * size] for c in range(row_chunks)]
+            encode = self._codec.encode_planes
+        else:
+            pieces = [
+                buffer[c * rpc : (c + 1) * rpc, j * lpc : (j + 1) * lpc]
+                for c in range(row_chunks)
+                for j in range(n_layer_chunks)
+            ]
+            # The buffer is not read again until this shard is written, so raw parts of a
+            # chunk may live in the chunk's own (warm) memory.
+            encode = functools.partial(self._codec.encode, reuse_input=True)
         encoded = self.flusher.map(encode, pieces)
         index = ShardIndex.of_sizes(
             [sum(len(p) for p in parts) for parts in encoded],

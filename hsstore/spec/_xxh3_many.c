@@ -25,9 +25,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
+#include "../codec/byte_planes.h"
 
 #define STATE_CAPSULE "hsstore.xxh3_state"
 #define BLOCK_BYTES (16 << 10)
@@ -268,35 +266,51 @@ static Py_ssize_t picks(Py_ssize_t tokens, Py_ssize_t first, Py_ssize_t every) {
 static PyObject *copy_rows(PyObject *self, PyObject *args) {
     PyObject *capsule;
     Py_buffer src, dst, rowmax, sampled;
-    Py_ssize_t width, itemsize, layers, first, every;
+    Py_ssize_t width, itemsize, layers, first, every, chunk_rows, at;
     (void)self;
-    if (!PyArg_ParseTuple(args, "Oy*w*w*nnw*nnn:copy_rows", &capsule, &src, &dst, &rowmax,
-                          &width, &itemsize, &sampled, &layers, &first, &every))
+    if (!PyArg_ParseTuple(args, "Oy*w*w*nnw*nnnnn:copy_rows", &capsule, &src, &dst, &rowmax,
+                          &width, &itemsize, &sampled, &layers, &first, &every, &chunk_rows,
+                          &at))
         return NULL;
     PyObject *result = NULL;
     XXH3_state_t *state = state_of(capsule);
     Py_ssize_t row_bytes = width * itemsize, token_bytes = row_bytes * layers;
+    Py_ssize_t tokens = layers > 0 && token_bytes > 0 ? src.len / token_bytes : 0;
     if (!state || !rows_fit(&src, &rowmax, width, itemsize, "copy_rows")) {
         /* the exception is set */
-    } else if (dst.len != src.len) {
-        PyErr_SetString(PyExc_ValueError, "copy_rows: dst must be src's size");
+    } else if (layers < 1 || src.len % token_bytes || first < 0 || every < 0 ||
+               sampled.len != picks(tokens, first, every) * layers * width * 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: sampled must hold the picked token rows as float32");
+    } else if (chunk_rows == 0 ? dst.len != src.len
+                               : (itemsize != 2 || chunk_rows < 0 || at < 0 ||
+                                  dst.len % (chunk_rows * token_bytes) ||
+                                  at + tokens > dst.len / token_bytes)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_rows: dst must be src's size, or whole chunks of 2-byte values "
+                        "that hold rows at .. at + len(src)");
     } else if ((const char *)dst.buf < (const char *)src.buf + src.len &&
                (const char *)src.buf < (const char *)dst.buf + dst.len) {
         PyErr_SetString(PyExc_ValueError, "copy_rows: src and dst overlap");
-    } else if (layers < 1 || src.len % token_bytes || first < 0 || every < 0 ||
-               sampled.len != picks(src.len / token_bytes, first, every) * layers * width * 4) {
-        PyErr_SetString(PyExc_ValueError,
-                        "copy_rows: sampled must hold the picked token rows as float32");
     } else {
         Py_ssize_t rows = src.len / row_bytes;
         /* Rows go in blocks of ~16 KiB, which stay in the L1 cache between the copy, the
-         * hash, the magnitudes and the sampled rows' floats. */
-        Py_ssize_t per_block = row_bytes >= BLOCK_BYTES ? 1 : BLOCK_BYTES / row_bytes;
+         * hash, the magnitudes and the sampled rows' floats. Split into planes, one row at a
+         * time: each of a chunk's rows has its place in both planes of the chunk. */
+        Py_ssize_t per_block = row_bytes >= BLOCK_BYTES || chunk_rows ? 1 : BLOCK_BYTES / row_bytes;
+        Py_ssize_t plane_bytes = chunk_rows * layers * width; /* one plane of a chunk */
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t r0 = 0; r0 < rows; r0 += per_block) {
             Py_ssize_t n = rows - r0 < per_block ? rows - r0 : per_block;
             const char *in = (const char *)src.buf + r0 * row_bytes;
-            memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
+            if (chunk_rows) {
+                Py_ssize_t row = at + r0 / layers, layer = r0 % layers;
+                uint8_t *low = (uint8_t *)dst.buf + row / chunk_rows * 2 * plane_bytes +
+                               (row % chunk_rows * layers + layer) * width;
+                split_bytes(low, low + plane_bytes, (const uint8_t *)in, (size_t)width);
+            } else {
+                memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
+            }
             XXH3_64bits_update(state, in, (size_t)(n * row_bytes));
             measure_rows(in, (char *)rowmax.buf + r0 * itemsize, n, width, itemsize);
             for (Py_ssize_t r = r0; every > 0 && r < r0 + n; r++) {
@@ -334,12 +348,15 @@ static PyMethodDef methods[] = {
      "Write into rowmax the largest magnitude bits of each row of width values of src (as\n"
      "copy_rows does, without the copy and the hash)."},
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(state, src, dst, rowmax, width, itemsize, sampled, layers, first, every)\n"
-     "--\n\n"
+     "copy_rows(state, src, dst, rowmax, width, itemsize, sampled, layers, first, every,\n"
+     "          chunk_rows, at)\n--\n\n"
      "Copy src into dst (same size, no overlap) and hash it into state; write into rowmax the\n"
      "largest magnitude bits (value with the sign bit cleared, little-endian, itemsize 2 or 4)\n"
      "of each row of width values; and into sampled, as float32 (itemsize 2: bf16), the token\n"
-     "rows (layers rows each) first, first + every, ... (none with every 0)."},
+     "rows (layers rows each) first, first + every, ... (none with every 0). With chunk_rows\n"
+     "> 0, dst holds chunks of chunk_rows token rows of 2-byte values each stored as its two\n"
+     "byte planes (the low bytes of all its values, then the high bytes), and src's rows go\n"
+     "to rows at, at + 1, ... of it."},
     {NULL, NULL, 0, NULL},
 };
 

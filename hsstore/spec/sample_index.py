@@ -132,14 +132,21 @@ class RowHasher:
         sampled: np.ndarray | None = None,
         first: int = 0,
         every: int = 0,
+        *,
+        chunk_rows: int = 0,
+        at: int = 0,
     ) -> None:
         """Copy ``src`` [N, L, H] (2- or 4-byte values) into ``dst`` (same shape, C-contiguous
         both), hash it, and write into ``rowmax`` [N, L] the largest magnitude bits of each
         row (the values' bits with the sign cleared, as `hsstore.segment.stats.row_absmax`
         gives them), in one pass. With ``every`` > 0 also write into ``sampled`` [k, L, H]
         float32 the rows ``first``, ``first + every``, ... of ``src`` (bf16 or float32) as
-        float32 values."""
+        float32 values.
+
+        With ``chunk_rows``, ``dst`` is a buffer of chunks of ``chunk_rows`` rows of 2-byte
+        values, each stored as its byte planes (`hsstore.codec.codecs.ChunkCodec.encode_planes`
+        reads them), and ``src`` goes to its rows ``at .. at + N``."""
         if sampled is None:
             sampled = _NO_FLOATS
         _xxh3_many.copy_rows(self._state, src, dst, rowmax, src.shape[-1], src.itemsize,
-                             sampled, src.shape[1], first, every)  # fmt: skip
+                             sampled, src.shape[1], first, every, chunk_rows, at)  # fmt: skip
