@@ -296,7 +296,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
         Py_ssize_t rows = src.len / row_bytes;
         /* Rows go in blocks of ~16 KiB, which stay in the L1 cache between the copy, the
          * hash, the magnitudes and the sampled rows' floats. Split into planes, one row at a
-         * time: each of a chunk's rows has its place in both planes of the chunk. */
+         * time: each of a chunk's rows has its place in both planes of the chunk. The planes
+         * are written around the caches: an ordinary store first reads each destination line
+         * from memory, and the encoder reads the shard only once it is full. */
         Py_ssize_t per_block = row_bytes >= BLOCK_BYTES || chunk_rows ? 1 : BLOCK_BYTES / row_bytes;
         Py_ssize_t plane_bytes = chunk_rows * layers * width; /* one plane of a chunk */
         Py_BEGIN_ALLOW_THREADS
@@ -307,7 +309,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
                 Py_ssize_t row = at + r0 / layers, layer = r0 % layers;
                 uint8_t *low = (uint8_t *)dst.buf + row / chunk_rows * 2 * plane_bytes +
                                (row % chunk_rows * layers + layer) * width;
-                split_bytes(low, low + plane_bytes, (const uint8_t *)in, (size_t)width);
+                split_bytes_streamed(low, low + plane_bytes, (const uint8_t *)in, (size_t)width);
             } else {
                 memcpy((char *)dst.buf + r0 * row_bytes, in, (size_t)(n * row_bytes));
             }
@@ -320,6 +322,9 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
                               (const char *)src.buf + r * row_bytes, width, itemsize);
             }
         }
+#if defined(__SSE2__)
+        _mm_sfence();
+#endif
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }
