@@ -210,12 +210,13 @@ def test_rows_copied_in_one_pass_are_copied_hashed_and_measured_exactly(dtype):
         hasher.copy_rows(stored, stored, rowmax)
 
 
-def _write_hostile(path, dtype: torch.dtype) -> dict[str, bytes]:
+def _write_hostile(path, dtype: torch.dtype, aligned: bool) -> dict[str, bytes]:
     """A dataset of hostile samples over several shards: its segment's files by name (those
     that name the segment's random id left out), the index without its ids."""
     g = torch.Generator().manual_seed(11)
     ds = hsstore.create(path, layers=[LayerSpec(k + 1) for k in range(3)], hidden_size=96,
-                        dtype=dtype, shard_bytes=64 << 10)  # fmt: skip
+                        dtype=dtype, chunk_bytes=16 << 10, shard_bytes=64 << 10,
+                        sample_aligned=aligned)  # fmt: skip
     with ds.writer() as w:
         for i, t in enumerate([1, 7, 300, 5, 64, 1000, 3, 9]):
             ids = torch.randint(0, 1000, (t,), generator=g)
@@ -228,14 +229,17 @@ def _write_hostile(path, dtype: torch.dtype) -> dict[str, bytes]:
     return {**files, "index": repr(index.to_pydict()).encode()}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_compiled_and_portable_writers_write_the_same_bytes(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "aligned"),
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True), (torch.float32, True)],
+)
+def test_compiled_and_portable_writers_write_the_same_bytes(tmp_path, monkeypatch, dtype, aligned):
     """States, statistics, columns and index checksums: the same whether the writer copies,
     hashes, measures and splits byte planes in compiled passes or in numpy and xxhash."""
-    compiled = _write_hostile(tmp_path / "compiled", dtype)
+    compiled = _write_hostile(tmp_path / "compiled", dtype, aligned)
     monkeypatch.setenv("HSSTORE_NO_FAST_DECODE", "1")
     assert not RowHasher.available()
-    portable = _write_hostile(tmp_path / "portable", dtype)
+    portable = _write_hostile(tmp_path / "portable", dtype, aligned)
     assert sum(rel.startswith(paths.STATES + "/c/") for rel in compiled) >= 3
     assert compiled.keys() == portable.keys()
     for rel in compiled:
