@@ -211,7 +211,12 @@ def test_a_delta_repeating_a_committed_segment_is_refused(tmp_path):
     ds = _build(tmp_path / "ds")
     first = ds.manifest.segments[0].to_json()
     latest = sorted(_manifests(tmp_path / "ds").glob("v*.json"))[-1]
-    _edit(tmp_path / "ds", latest.name, lambda o: o["add_segments"].append(first), reseal=True)
+
+    def repeat(obj: dict) -> None:
+        obj["add_segments"].append(first)
+        obj.pop("sample_digest")  # else refused first for holding too few hashes
+
+    _edit(tmp_path / "ds", latest.name, repeat, reseal=True)
     with pytest.raises(hsstore.FormatError, match="listed twice"):
         hsstore.open(tmp_path / "ds")
     assert "listed twice" in hsstore.verify(tmp_path / "ds").problems[0].reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -75,9 +76,14 @@ def test_four_processes_write_one_dataset(tmp_path):
     assert len(ids) == len(set(ids)) == 120
     assert set(ids) == {f"w{k}-{i}" for k in range(4) for i in range(30)}
     assert hsstore.verify(path).ok
-    # every commit produced its own version, none overwrote another
-    versions = sorted(os.listdir(path / "manifests"))
-    assert len([v for v in versions if v.startswith("v")]) == 1 + 4 * 5
+    # every commit was published exactly once: alone in a version, or in a group
+    versions = sorted(v for v in os.listdir(path / "manifests") if v.startswith("v"))
+    tokens = []
+    for name in versions[1:]:
+        delta = json.loads((path / "manifests" / name).read_bytes())
+        tokens += [delta["commit"], *delta.get("group", [])]
+    assert len(tokens) == len(set(tokens)) == 4 * 5
+    assert 1 < len(versions) <= 1 + 4 * 5
 
 
 def test_kill_9_mid_segment_loses_nothing_committed(tmp_path):
@@ -161,6 +167,28 @@ def test_duplicate_ids_are_rejected(tmp_path):
     w2.close()
     ds = hsstore.open(path)
     assert ds.sample_ids == ["a", "b"] and ds.get("b").num_tokens == 5
+
+
+def test_an_id_another_writer_published_is_refused_in_every_later_commit(tmp_path):
+    """A writer learns what others publish from the versions' sample digests (hashes): an id
+    it learnt that way is refused at add() in every later commit, not only by the commit that
+    first checked against it."""
+    path = tmp_path / "ds"
+    ds = _make(path)
+    late = hsstore.open(path).writer(encode_threads=1)
+    with ds.writer(encode_threads=1) as w:
+        w.add("x", *random_sample(5, 2, 32, seed=1))
+        w.add("z", *random_sample(5, 2, 32, seed=9))
+    late.add("y", *random_sample(4, 2, 32, seed=2))
+    late.commit()  # checked against the segment holding "x", by hash
+    with pytest.raises(hsstore.DuplicateSampleError, match="'x'"):
+        late.add("x", *random_sample(3, 2, 32, seed=3))
+    late.add("x2", *random_sample(3, 2, 32, seed=3))
+    late.commit()
+    late.close()
+    ds = hsstore.open(path)
+    assert sorted(ds.sample_ids) == ["x", "x2", "y", "z"]
+    assert torch.equal(ds.get("x").hidden, random_sample(5, 2, 32, seed=1)[2])
 
 
 @pytest.mark.parametrize(

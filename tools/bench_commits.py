@@ -174,8 +174,9 @@ def show(prefix: str, r: dict) -> None:
           f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  max {r['max_ms']:7.1f} ms  "
           f"calls/commit {r['calls_per_commit']:6.1f}  lost creates/commit "
           f"{pc.get('version_create_lost', 0):.2f}  cpu/commit {r['cpu_ms_per_commit']:.0f} ms "
-          f"(at most {CORES / r['cpu_ms_per_commit'] * 1e3:.0f} commits/s on {CORES} cores)",
-          flush=True)  # fmt: skip
+          f"(at most {CORES / r['cpu_ms_per_commit'] * 1e3:.0f} commits/s on {CORES} cores)  "
+          f"versions {r['version'] - 1} ({r['commits'] / max(1, r['version'] - 1):.1f} commits "
+          f"each)", flush=True)  # fmt: skip
     print("      per commit: " + " ".join(f"{k}={v}" for k, v in pc.items()), flush=True)
 
 

@@ -17,8 +17,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hsstore import settings
+from hsstore.commits import intents
 from hsstore.commits.history import (  # noqa: F401 - the reading side, re-exported for callers
     announced_version,
     check_no_lost_commits,
@@ -106,6 +108,7 @@ def publish(
     base: Manifest | None = None,
     claims: Callable[[Delta], None] | None = None,
     condemn: Callable[[Manifest], tuple[str, ...]] | None = None,
+    delta_fields: Callable[[Manifest], dict[str, Any]] | None = None,
     resolve_s: float | None = None,
     max_attempts: int = 1000,
 ) -> Manifest:
@@ -123,8 +126,10 @@ def publish(
     delta at a time, so a commit costs what changed, not the length of the history.
     ``build_next`` must be a pure function of the latest manifest (it is called again after a
     lost race) and may raise to abort the commit. ``claims`` sees every delta published by
-    others on the way and may raise to refuse (e.g. a segment of ours gc condemned).
-    ``condemn``: segments gc removes after this version (gc's own versions).
+    published on the way (ours included: a group's version holds other writers' segments too)
+    and may raise to refuse (e.g. a segment of ours gc condemned). ``condemn``: segments gc
+    removes after this version (gc's own versions). ``delta_fields``: more members of the
+    delta built for ``build_next``'s manifest (a group's tokens, the sample digest).
     """
     latest = base if base is not None else load_manifest(storage)
     # How long to keep asking, after a request whose outcome was never learned, whether the
@@ -135,7 +140,7 @@ def publish(
     losses = 0
     for attempt in range(max_attempts):
         try:
-            latest, mine = _catch_up(storage, latest, token, claims)
+            latest, mine = catch_up(storage, latest, token, claims)
         except (StorageError, OSError) as exc:
             if isinstance(exc, HsstoreError) and not isinstance(exc, StorageError):
                 raise  # a format problem, not a storage that failed to answer
@@ -164,6 +169,7 @@ def publish(
                 latest.delta_to(nxt),
                 commit=token,
                 condemn=condemn(latest) if condemn is not None else (),
+                **(delta_fields(nxt) if delta_fields is not None else {}),
             )
             version, data = nxt.version, delta.to_bytes()
         try:
@@ -184,16 +190,25 @@ def publish(
     raise FormatError(f"could not publish after {max_attempts} attempts", path=storage.root)
 
 
-def _catch_up(
-    storage: Storage, latest: Manifest, token: str | None, claims: Callable[[Delta], None] | None
+def catch_up(
+    storage: Storage,
+    latest: Manifest,
+    token: str | None,
+    claims: Callable[[Delta], None] | None,
+    *,
+    check_newest: bool = True,
 ) -> tuple[Manifest, bool]:
     """``latest`` moved forward over every version published after it, up to and including
-    one carrying ``token`` (then True: it is ours)."""
+    one carrying ``token`` (then True: it is ours). ``check_newest``: where the versions end,
+    make sure none after it was deleted (a commit must, before it creates the next; a writer
+    only watching for the next version need not, each time it looks)."""
     while True:
         key = paths.manifest_key(latest.version + 1)
         try:
             data = storage.read_bytes(key)
         except FileNotFoundError:
+            if not check_newest:
+                return latest, False
             # The hint is written only after its version, and versions are contiguous: a hint
             # above us with our successor absent means published versions were deleted.
             try:
@@ -215,8 +230,8 @@ def _catch_up(
                 raise FormatError("manifest does not follow its predecessor", path=key)
             latest = doc
             continue
-        ours = token is not None and doc.commit == token
-        if not ours and claims is not None:
+        ours = token is not None and doc.carries(token)
+        if claims is not None:
             claims(doc)
         latest = latest.apply(doc, where=storage.path_of(key))
         if ours:
@@ -282,6 +297,9 @@ def gc(
     for name in _condemn(storage, dead, base=latest):
         storage.delete_tree(paths.segment_dir(name))
         report.removed_segments.append(name)
+    report.removed_files += _sweep_intents(
+        storage, latest, now=now, grace_s=grace_s, removed=set(report.removed_segments)
+    )
     for name in storage.list(paths.MANIFESTS):
         if not name.startswith(TEMP_PREFIX):
             continue
@@ -305,6 +323,36 @@ def gc(
             if 1 < c < oldest:  # checkpoint 1 stays: the dataset's description, should the
                 storage.delete(paths.checkpoint_key(c))  # kept checkpoint be lost
     return report
+
+
+def _sweep_intents(
+    storage: Storage, latest: Manifest, *, now: float, grace_s: float, removed: set[str]
+) -> list[str]:
+    """Delete the group-commit intents (hsstore.commits.group) older than ``grace_s`` that no
+    version can publish any more: every segment they name is published, or was removed, or
+    they cannot be read. A waiting writer holds a copy of its own, so an intent removed is
+    never a commit lost."""
+    referenced = {s.id for s in latest.segments}
+    swept = []
+    for token in intents.waiting(storage):
+        key = paths.intent_key(token)
+        try:
+            age = now - storage.stat(key).modified
+        except FileNotFoundError:
+            continue
+        if age <= grace_s + storage.clock_resolution_s:
+            continue
+        intent = intents.read(storage, token, dataset_id=latest.dataset_id)
+        if intent is not None and any(
+            s.id not in referenced
+            and s.id not in removed
+            and storage.exists(paths.segment_file(s.id, paths.WRITING_LOCK))
+            for s in intent.add_segments
+        ):
+            continue  # its writer may still be waiting for a group
+        storage.delete(key)
+        swept.append(key)
+    return swept
 
 
 def _condemn(storage: Storage, dead: list[str], *, base: Manifest) -> list[str]:

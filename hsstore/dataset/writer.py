@@ -15,7 +15,8 @@ import pyarrow as pa
 import torch
 
 from hsstore.codec import tiers
-from hsstore.commits import commit, history
+from hsstore.commits import history
+from hsstore.commits.group import GroupCommit, proposal
 from hsstore.commits.lease import LeaseKeeper
 from hsstore.dataset.sample_input import check_names, check_sample, check_scales
 from hsstore.errors import (
@@ -31,6 +32,7 @@ from hsstore.spec import paths
 from hsstore.spec.dtypes import storage_view
 from hsstore.spec.layers import verifier_position
 from hsstore.spec.manifest import Delta, Manifest, SegmentInfo
+from hsstore.spec.sample_digest import id_hashes
 from hsstore.storage.store import Storage
 
 if TYPE_CHECKING:
@@ -77,6 +79,12 @@ class Writer:
         # for duplicate ids, until `take_indexes_read` hands them on (a view then need not
         # read them again).
         self._indexes_read: dict[str, tuple[SegmentReader, pa.Table]] = {}
+        # The id hashes of segments other writers published, from their versions' sample
+        # digests, until this writer's next commit checks its own ids against them; then in
+        # `_seen` (hash -> segment), as `_committed_ids` holds the ids it read.
+        self._foreign: dict[str, np.ndarray] = {}
+        self._seen: dict[int, str] = {}
+        self._group = GroupCommit(storage)
         self._committed_ids = set(committed_ids)
         self._new_ids: set[str] = set()
         self._segment: SegmentWriter | None = None
@@ -122,7 +130,11 @@ class Writer:
             raise ConflictError("writer is closed", path=self.storage.root)
         where = self.storage.root
         check_names(where, sample_id, source)
-        if sample_id in self._committed_ids or sample_id in self._new_ids:
+        if (
+            sample_id in self._committed_ids
+            or sample_id in self._new_ids
+            or self._committed_elsewhere(sample_id)
+        ):
             raise DuplicateSampleError(
                 "sample id is already in the dataset", path=self.storage.root, sample_id=sample_id
             )
@@ -215,64 +227,41 @@ class Writer:
         token = f"{self.leases.owner}.{self._attempt}"
         claimed = {seg.id for seg in mine}
         self._interrupted = claimed  # until this commit's bookkeeping is done
+        my_hashes = id_hashes(i for seg in mine for i in self._ids_of[seg.id])
 
         def refuse_condemned(delta: Delta) -> None:
             hit = claimed.intersection(delta.condemn)
             if hit:
                 raise self._removed(hit, mine, None, lapsed=self.leases.lapsed(sorted(hit)))
-            # Read the segments other writers published now, while catching up, so that the
-            # step from the last read of the log to the create is short (a racing writer
-            # publishes in that window). Only read here: build_next judges them, and reads
-            # again any that failed to read now.
-            for seg in delta.add_segments:
-                if seg.id not in self._known_segments and seg.id not in self._indexes_read:
-                    with contextlib.suppress(HsstoreError, OSError):
-                        self._read_index(seg)
+            self._note_ids(delta)
 
-        def build_next(latest: Manifest) -> Manifest:
-            # By id, not by position: a repair removes segments, so new ones need not be last.
-            for seg in latest.segments:
-                if seg.id in self._known_segments:
-                    continue
-                reader, table = self._indexes_read.get(seg.id) or self._read_index(seg)
-                theirs = set(table.column("sample_id").to_pylist())
-                clash = theirs & my_ids
-                if clash:
-                    raise DuplicateSampleError(
-                        f"{len(clash)} sample id(s) were committed by another writer meanwhile "
-                        f"(first: {sorted(clash)[0]!r}); nothing from this commit was published",
-                        path=self.storage.root,
-                        sample_id=sorted(clash)[0],
-                    )
-                self._known_segments.add(seg.id)
-                self._committed_ids |= theirs
-            provenance = dict(latest.provenance)
-            if skipped:
-                provenance["skipped"] = list(provenance.get("skipped", [])) + skipped
-            if runs:
-                provenance["runs"] = list(provenance.get("runs", [])) + runs
+        def check_own(latest: Manifest) -> None:
+            self._check_ids(latest, my_ids, my_hashes)
             # Last step before the conditional create: fresh leases keep gc from condemning
             # these segments while the put is in flight.
             self.leases.refresh_now([seg.id for seg in mine])
-            return latest.with_segments(
-                latest.segments + tuple(mine), provenance, latest.version + 1
-            )
 
         try:
-            published = commit.publish(
-                self.storage, build_next, token=token, base=self.manifest, claims=refuse_condemned
-            )
+            published = self._group.commit(
+                proposal(token, self.manifest.dataset_id, tuple(mine), tuple(skipped),
+                         tuple(runs), my_hashes),
+                self.manifest,
+                check_own=check_own,
+                claims=refuse_condemned,
+            )  # fmt: skip
         except CommitUnknownError:
             raise  # everything is kept as it is: the next commit() resolves it
         except BaseException as exc:
-            # publish raised: certainly nothing of this commit was published, unless an
-            # interrupt came from outside (then gc decides, see _interrupted).
+            # Raised: certainly nothing of this commit was published, unless an interrupt
+            # came from outside (then gc decides, see _interrupted).
             self._unresolved = None
             if isinstance(exc, Exception):
                 self._interrupted = set()
             if isinstance(exc, ConflictError):
                 self.abort()  # a duplicate id or a condemned segment: these cannot go in
             raise
+        if published.head_delta is not None:
+            self._note_ids(published.head_delta)
         self._unresolved = None
         damaged = self._damaged(mine)
         # Evidence of this version in its segments, should its manifest file be lost (read by
@@ -290,6 +279,7 @@ class Writer:
                 self.leases.drop(seg.id)
             self._held.remove(seg.id)
             self._known_segments.add(seg.id)
+            self._foreign.pop(seg.id, None)
         self._committed_ids |= my_ids
         self._new_ids -= my_ids
         self._finished = [seg for seg in self._finished if seg.id not in claimed]
@@ -300,6 +290,68 @@ class Writer:
         if damaged:
             raise self._removed(damaged, mine, published.version, lapsed=False)
         return published
+
+    def _note_ids(self, delta: Delta) -> None:
+        """Keep the id hashes of segments a version adds (its sample digest), for the next
+        commit's check; a version without a digest leaves its segments' indexes to read."""
+        where = self.storage.path_of(paths.manifest_key(delta.version))
+        hashes = delta.segment_hashes(where=where)
+        if hashes is None:
+            # Read now, while catching up, so that the step from the last read of the log to
+            # the create is short; the check reads again any that failed to read now.
+            for seg in delta.add_segments:
+                if seg.id not in self._known_segments and seg.id not in self._indexes_read:
+                    with contextlib.suppress(HsstoreError, OSError):
+                        self._read_index(seg)
+            return
+        for seg_id, h in hashes.items():
+            if seg_id not in self._known_segments:
+                self._foreign[seg_id] = h
+
+    def _check_ids(self, latest: Manifest, my_ids: set[str], my_hashes: np.ndarray) -> None:
+        """Refuse when a segment published since this writer last looked holds one of its
+        ids. A segment whose ids its version recorded (the sample digest) is learnt by hash
+        (`_seen`), and its index read only to confirm a match; another's index is read."""
+        for seg in latest.segments:  # by id, not position: a repair removes segments
+            if seg.id in self._known_segments:
+                continue
+            hashes = self._foreign.pop(seg.id, None)
+            if hashes is None:
+                _, table = self._indexes_read.get(seg.id) or self._read_index(seg)
+                theirs = set(table.column("sample_id").to_pylist())
+                self._refuse_clash(theirs & my_ids)
+                self._committed_ids |= theirs
+            else:
+                self._seen.update(dict.fromkeys(hashes.tolist(), seg.id))
+            self._known_segments.add(seg.id)
+        hits = {self._seen[h] for h in my_hashes.tolist() if h in self._seen}
+        for seg in latest.segments:
+            if seg.id in hits:
+                _, table = self._indexes_read.get(seg.id) or self._read_index(seg)
+                self._refuse_clash(set(table.column("sample_id").to_pylist()) & my_ids)
+
+    def _refuse_clash(self, clash: set[str]) -> None:
+        if clash:
+            raise DuplicateSampleError(
+                f"{len(clash)} sample id(s) were committed by another writer meanwhile "
+                f"(first: {sorted(clash)[0]!r}); nothing from this commit was published",
+                path=self.storage.root,
+                sample_id=sorted(clash)[0],
+            )
+
+    def _committed_elsewhere(self, sample_id: str) -> bool:
+        """Whether another writer's segment this writer learnt by hash holds ``sample_id``
+        (its index is read to confirm a hash match)."""
+        if not self._seen:
+            return False
+        seg_id = self._seen.get(int(id_hashes([sample_id])[0]))
+        if seg_id is None:
+            return False
+        seg = next((s for s in self.manifest.segments if s.id == seg_id), None)
+        if seg is None:
+            return False
+        _, table = self._indexes_read.get(seg.id) or self._read_index(seg)
+        return sample_id in set(table.column("sample_id").to_pylist())
 
     def _read_index(self, seg: SegmentInfo) -> tuple[SegmentReader, pa.Table]:
         reader = SegmentReader(self.storage, self.manifest, seg)
@@ -406,6 +458,7 @@ class Writer:
             self._closed = True
             try:
                 self._flusher.close()
+                self._group.close()
             finally:
                 self._release_at_gc()
 

@@ -25,7 +25,7 @@ from hsstore.errors import (
     IntegrityError,
     UnsupportedVersionError,
 )
-from hsstore.spec import paths
+from hsstore.spec import paths, sample_digest
 from hsstore.spec.dtypes import (
     COLUMN_DTYPES,
     DTYPES,
@@ -48,7 +48,7 @@ from hsstore.spec.schema import check_nesting, validate
 from hsstore.spec.sealing import checksum_matches, seal_document
 
 FORMAT_NAME = "hsstore"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # Every format from 1 on is read (the schema's minimum); format 1 wrote only full manifests
 # without a checksum (see FORMAT.md).
 
@@ -373,6 +373,12 @@ class Delta:
     # A repair: segments this version no longer lists, each recorded in ``add_repairs``.
     remove_segments: tuple[str, ...] = ()
     add_repairs: tuple[dict[str, Any], ...] = ()
+    # Group commit: the tokens of the other writers' intents this version publishes beside
+    # ``commit``'s (hsstore.commits.group); each of them recognises its commit by its token.
+    group: tuple[str, ...] = ()
+    # The XXH3-64 of every added sample id (hsstore.spec.sample_digest), or None where the
+    # committer did not record it (then the added segments' indexes hold the ids).
+    sample_digest: str | None = None
     # This delta's own file checksum, once sealed or read (not part of its JSON).
     checksum: str | None = field(default=None, compare=False)
 
@@ -399,7 +405,23 @@ class Delta:
             obj["remove_segments"] = list(self.remove_segments)
         if self.add_repairs:
             obj["add_repairs"] = list(self.add_repairs)
+        if self.group:
+            obj["group"] = list(self.group)
+        if self.sample_digest is not None:
+            obj["sample_digest"] = self.sample_digest
         return obj
+
+    def carries(self, token: str) -> bool:
+        """Whether this version published the commit holding ``token``."""
+        return self.commit == token or token in self.group
+
+    def segment_hashes(self, *, where: str) -> dict[str, np.ndarray] | None:
+        """The id hashes of each added segment, from ``sample_digest`` (None: not recorded)."""
+        if self.sample_digest is None:
+            return None
+        counts = [s.num_samples for s in self.add_segments]
+        hashes = sample_digest.decode(self.sample_digest, expected=sum(counts), where=where)
+        return dict(zip((s.id for s in self.add_segments), sample_digest.split(hashes, counts)))
 
     def check_follows(self, version: int, checksum: str | None, *, where: str) -> None:
         """Raise if this delta follows another file than ``checksum`` (None: not known)."""
@@ -418,6 +440,9 @@ class Delta:
     def from_json(cls, obj: dict[str, Any], *, where: str) -> Delta:
         segments = tuple(SegmentInfo.from_json(s, where=where) for s in obj["add_segments"])
         check_unique_segments((), segments, where=where)
+        digest = obj.get("sample_digest")
+        if digest is not None:  # the one check the schema cannot make: its length
+            sample_digest.decode(digest, expected=sum(s.num_samples for s in segments), where=where)
         return cls(
             version=obj["version"],
             dataset_id=obj["dataset_id"],
@@ -430,6 +455,8 @@ class Delta:
             prev=obj.get("prev"),
             remove_segments=tuple(obj.get("remove_segments", ())),
             add_repairs=tuple(obj.get("add_repairs", ())),
+            group=tuple(obj.get("group", ())),
+            sample_digest=digest,
             checksum=obj.get("checksum"),
         )
 

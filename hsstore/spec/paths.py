@@ -34,6 +34,12 @@ SEGMENT_SMALL_FILES = frozenset(
 # manifest is detected instead of silently rolling the dataset back.
 LATEST_HINT = f"{MANIFESTS}/_latest"
 
+# Group commit: a writer that lost a race leaves its commit here for whichever writer creates
+# the next version to publish with its own (hsstore.commits.group). Not data: a reader ignores
+# the folder, and what an intent names is committed only once a version lists it.
+INTENTS = f"{MANIFESTS}/intents"
+_INTENT_RE = re.compile(r"^([0-9a-f]{32}\.[0-9]{1,16})\.json$")
+
 _MANIFEST_RE = re.compile(r"^v(\d{8,})\.json$")
 _CHECKPOINT_RE = re.compile(r"^c(\d{8,})\.json$")
 _SHARD_RE = re.compile(rf"^{STATES}/c/(0|[1-9]\d{{0,8}})/0/0$")
@@ -47,6 +53,16 @@ def manifest_version(name: str) -> int | None:
     """The version number a manifest file name carries, or None for anything else."""
     m = _MANIFEST_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def intent_key(token: str) -> str:
+    return f"{INTENTS}/{token}.json"
+
+
+def intent_token(name: str) -> str | None:
+    """The commit token an intent file name carries, or None for anything else."""
+    m = _INTENT_RE.match(name)
+    return m.group(1) if m else None
 
 
 def checkpoint_key(version: int) -> str:

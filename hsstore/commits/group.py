@@ -1,0 +1,383 @@
+"""Group commit: writers that race for the same version publish together.
+
+A writer first creates the next version alone (`commit.publish`). One that loses that race
+leaves its delta as an intent (`hsstore.commits.intents`) and waits: the writer with the
+smallest waiting token leads, publishing every intent it can in one version whose ``group``
+lists their tokens, and the others recognise their token there. So versions, and every
+writer's reads of them, grow with the number of groups rather than of commits. Leading is only
+an optimisation: any writer may lead at any time (one that waited ``PATIENCE_S`` for a version
+that never came does), since the conditional create orders leaders as it orders writers.
+
+A leader publishes another writer's intent only as that writer would have: no version after
+the intent's base carries its token already, condemns or removes one of its segments, or adds
+one of its sample ids (by the sample digest: a hash match is enough to leave an intent out,
+its writer confirming in the index when it leads), and no intent chosen before it in the
+group shares an id hash. Its own commit the leader checks exactly (``check_own``). So an intent
+is published at most once, in the first version carrying its token, and a writer refuses only
+for a conflict no later version can undo; until then an error while its intent waits is
+`CommitUnknownError`, never a failure, since a leader may still publish it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from hsstore import settings
+from hsstore.commits import intents
+from hsstore.commits.commit import catch_up, publish
+from hsstore.errors import (
+    CommitUnknownError,
+    ConflictError,
+    HsstoreError,
+    IntegrityError,
+    StorageError,
+)
+from hsstore.spec import paths, sample_digest
+from hsstore.spec.manifest import Delta, Manifest, load_document, now_iso
+from hsstore.storage.store import Storage
+
+# A waiting writer leads when no version has come for PATIENCE_S plus PATIENCE_PER_INTENT_S
+# for each intent waiting (the time a leader takes grows with its group), times one more than
+# its place among the waiting tokens: if the writer whose turn it is stalls, the next takes
+# over, and not all of them at once.
+PATIENCE_S = 0.25
+PATIENCE_PER_INTENT_S = 0.01
+# How often a waiting writer looks for the next version: a doubling wait, capped.
+POLL_FIRST_S = 0.004
+POLL_CAP_S = 0.128
+# Requests a leader has in flight at once when it reads or deletes a group's intents.
+IO_THREADS = 8
+# Deltas a writer keeps to judge intents built on versions older than its own view.
+KEPT_DELTAS = 4096
+
+
+class _Contended(Exception):
+    """The direct create lost its race; ``latest`` is what the commit was checked against."""
+
+    def __init__(self, latest: Manifest):
+        super().__init__()
+        self.latest = latest
+
+
+def proposal(
+    token: str, dataset_id: str, segments: tuple, skipped: tuple, runs: tuple, hashes: np.ndarray
+) -> Delta:
+    """What a commit adds, as a delta whose version `GroupCommit.commit` fills in."""
+    return Delta(
+        version=2,
+        dataset_id=dataset_id,
+        committed_at=now_iso(),
+        add_segments=tuple(segments),
+        add_skipped=tuple(skipped),
+        add_runs=tuple(runs),
+        commit=token,
+        sample_digest=sample_digest.encode(hashes),
+    )
+
+
+@dataclass
+class GroupCommit:
+    """One writer's side of group commit, kept across its commits (the versions and intents
+    it has read)."""
+
+    storage: Storage
+    resolve_s: float | None = None
+    _contended: bool = False
+    _deltas: dict[int, Delta] = field(default_factory=dict)
+    _intents: dict[str, Delta] = field(default_factory=dict)
+    # The id hashes each kept version added (None: it added segments without a digest).
+    _added: dict[int, set[int] | None] = field(default_factory=dict)
+    _published: set[str] = field(default_factory=set)  # the tokens of the kept versions
+    _waiting: dict[str, Delta] = field(default_factory=dict)  # this writer's, by token
+    _pool: ThreadPoolExecutor | None = None
+    _check_own: Callable[[Manifest], None] | None = None
+    _writer_claims: Callable[[Delta], None] | None = None
+
+    def commit(
+        self,
+        mine: Delta,
+        base: Manifest,
+        *,
+        check_own: Callable[[Manifest], None],
+        claims: Callable[[Delta], None],
+    ) -> Manifest:
+        """Publish ``mine`` (`proposal`) and return the version holding it. Raises
+        ConflictError when it can never be published, CommitUnknownError when its intent
+        waits and the storage stopped answering (call again with the same ``mine``).
+
+        ``check_own(latest)``: the writer's exact checks of its commit against ``latest``,
+        run right before each create (raises ConflictError to refuse); ``claims(delta)``:
+        sees every version read on the way (raises ConflictError to refuse: a segment of its
+        own condemned). Held for this call only (a writer need not outlive its helpers).
+        """
+        self._check_own, self._writer_claims = check_own, claims
+        try:
+            return self._commit(mine, base)
+        finally:
+            self._check_own = self._writer_claims = None
+
+    def _commit(self, mine: Delta, base: Manifest) -> Manifest:
+        token = mine.commit
+        assert token is not None
+        intent = self._waiting.get(token)
+        if intent is None:
+            if not self._contended:
+                try:
+                    return self._publish(replace(mine, version=base.version + 1), base, group=False)
+                except _Contended as lost:
+                    latest = lost.latest
+            else:  # the last commit went in a group: join one at once
+                latest, landed = self._catch_up(base, token, check_newest=False)
+                if landed:  # an earlier call's create whose outcome was not known
+                    return latest
+            # The intent's base is the version its ids were checked through: a leader checks
+            # only the versions after it.
+            assert self._check_own is not None
+            self._check_own(latest)
+            intent = replace(mine, version=latest.version + 1)
+            intents.write(self.storage, intent)
+            self._waiting[token] = intent
+        else:
+            latest = base
+        try:
+            published = self._wait_or_lead(intent, latest)
+        except ConflictError:
+            del self._waiting[token]
+            intents.drop(self.storage, token)  # refused for good: no leader will take it
+            raise
+        except (CommitUnknownError, IntegrityError):
+            raise  # kept to resolve; or versions deleted or pruned, which every leader refuses
+        except HsstoreError as exc:
+            raise CommitUnknownError(
+                f"this commit's intent ({token}) is waiting and may still be published: {exc}; "
+                f"nothing was deleted, commit again to learn the outcome",
+                path=self.storage.root,
+            ) from exc
+        del self._waiting[token]
+        return published
+
+    # -- waiting --------------------------------------------------------------------------
+    def _wait_or_lead(self, intent: Delta, latest: Manifest) -> Manifest:
+        token = intent.commit
+        assert token is not None
+        wait = settings.current().resolve_timeout_s if self.resolve_s is None else self.resolve_s
+        failing_since: float | None = None
+        my_turn: bool | None = None
+        patience = time.monotonic() + PATIENCE_S
+        poll = POLL_FIRST_S
+        while True:
+            try:
+                moved, landed = self._catch_up(latest, token, check_newest=False)
+                if landed:
+                    self._contended = True  # published in another writer's group
+                    return moved
+                if my_turn is None or moved.version != latest.version:
+                    # First look, or a group came without us (listed before our intent).
+                    place, waiting = self._place(token, intents.waiting(self.storage))
+                    my_turn = place == 0
+                    patience = time.monotonic() + (place + 1) * (
+                        PATIENCE_S + PATIENCE_PER_INTENT_S * waiting
+                    )
+                    poll = POLL_FIRST_S
+                latest = moved
+                if my_turn or time.monotonic() > patience:
+                    return self._publish(intent, latest, group=True)
+                failing_since = None
+            except (StorageError, OSError) as exc:
+                if isinstance(exc, HsstoreError) and not isinstance(exc, StorageError):
+                    raise
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since > wait:
+                    raise CommitUnknownError(
+                        f"could not learn whether this commit's intent ({token}) was "
+                        f"published: {exc}; nothing was deleted, commit again to learn the "
+                        f"outcome",
+                        path=self.storage.root,
+                    ) from exc
+            time.sleep(poll)
+            poll = min(POLL_CAP_S, poll * 2)
+
+    def _place(self, token: str, listed: list[str]) -> tuple[int, int]:
+        """``token``'s place among the listed tokens not known to be published (0: it leads
+        now; a token not listed, e.g. an intent a leader dropped, also leads), and how many
+        those are."""
+        waiting = [t for t in listed if t not in self._published]
+        return (waiting.index(token) if token in waiting else 0), len(waiting)
+
+    # -- publishing -----------------------------------------------------------------------
+    def _publish(self, mine: Delta, base: Manifest, *, group: bool) -> Manifest:
+        token = mine.commit
+        assert token is not None
+        chosen: list[Delta] = []
+
+        def build_next(latest: Manifest) -> Manifest:
+            if chosen and not group:
+                raise _Contended(latest)  # the direct create lost: join a group
+            assert self._check_own is not None
+            self._check_own(latest)
+            chosen[:] = [mine, *self._others(mine, latest)] if group else [mine]
+            provenance = dict(latest.provenance)
+            for key, attr in (("skipped", "add_skipped"), ("runs", "add_runs")):
+                added = [x for d in chosen for x in getattr(d, attr)]
+                if added:
+                    provenance[key] = list(provenance.get(key, [])) + added
+            segments = tuple(s for d in chosen for s in d.add_segments)
+            return latest.with_segments(latest.segments + segments, provenance, latest.version + 1)
+
+        def fields(_: Manifest) -> dict[str, Any]:
+            return {
+                "group": tuple(d.commit for d in chosen[1:] if d.commit),
+                "sample_digest": sample_digest.encode(np.concatenate([_hashes(d) for d in chosen])),
+            }
+
+        published = publish(
+            self.storage,
+            build_next,
+            token=token,
+            base=base,
+            claims=self._claims,
+            delta_fields=fields,
+            resolve_s=self.resolve_s,
+        )
+        head = published.head_delta
+        if head is not None:
+            self._keep(head)
+            # Whether commits are racing: then the next one joins a group without first
+            # losing a create of its own (a group of one leaves this again).
+            self._contended = bool(head.group)
+            if head.commit == token and group:
+                # Done with: best effort (the next leader drops any left, as published).
+                self._io(lambda t: intents.drop(self.storage, t), [token, *head.group])
+        return published
+
+    def _others(self, mine: Delta, latest: Manifest) -> list[Delta]:
+        """The waiting intents that may go into the version after ``latest`` beside ``mine``,
+        in token order."""
+        taken = set(_hashes(mine).tolist())
+        chosen = []
+        waiting = [t for t in intents.waiting(self.storage) if t != mine.commit]
+        unread = [t for t in waiting if t not in self._intents]
+        for token, intent in zip(unread, self._io(lambda t: intents.read(
+            self.storage, t, dataset_id=latest.dataset_id), unread)):  # fmt: skip
+            if intent is None:
+                # Unreadable or damaged: passed over, and dropped so that the writers taking
+                # turns do not wait for it (its writer holds a copy to publish).
+                intents.drop(self.storage, token)
+            else:
+                self._intents[token] = intent
+        for token in waiting:
+            intent = self._intents.get(token)
+            if intent is None:
+                continue
+            ids = set(_hashes(intent).tolist())
+            verdict = self._judge(intent, ids, latest, taken)
+            if verdict == "ok":
+                chosen.append(intent)
+                taken |= ids
+            elif verdict != "later":
+                # Published already, or it cannot go in after ``latest``: its writer (which
+                # holds a copy) learns which when it reads the versions or leads.
+                intents.drop(self.storage, token)
+                self._intents.pop(token, None)
+        return chosen
+
+    def _judge(self, intent: Delta, ids: set[int], latest: Manifest, taken: set[int]) -> str:
+        """ "ok" to publish ``intent`` (whose id hashes are ``ids``) after ``latest``;
+        "published" when a version did already; "no" when it may not go in after ``latest``
+        (its writer, leading, learns why); "later" when it was built on a newer version."""
+        assert intent.commit is not None
+        if intent.version - 1 > latest.version:
+            return "later"
+        if not ids.isdisjoint(taken):
+            return "no"
+        segments = {s.id for s in intent.add_segments}
+        for version in range(intent.version, latest.version + 1):
+            delta = self._delta(version, latest)
+            if delta is None:
+                return "no"  # unreadable or pruned: its writer decides
+            if delta.carries(intent.commit):
+                return "published"
+            if not segments.isdisjoint(delta.condemn) or not segments.isdisjoint(
+                delta.remove_segments
+            ):
+                return "no"
+            added = self._added[version]
+            if added is None or not ids.isdisjoint(added):
+                return "no"  # an id hash published, or ids not recorded: its writer checks
+        return "ok"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def _io(self, call: Callable[[str], Any], tokens: list[str]) -> list[Any]:
+        """``call`` on each token, several at once: a leader's reads and deletes of the
+        group's intents are independent requests, and on an object store each waits a round
+        trip."""
+        if len(tokens) <= 1:
+            return [call(t) for t in tokens]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="hsstore-group")
+        return list(self._pool.map(call, tokens))
+
+    # -- what this writer knows of the versions ---------------------------------------------
+    def _catch_up(
+        self, latest: Manifest, token: str, *, check_newest: bool = True
+    ) -> tuple[Manifest, bool]:
+        """``latest`` moved over the versions after it; True when one carries ``token``."""
+        return catch_up(self.storage, latest, token, self._claims, check_newest=check_newest)
+
+    def _claims(self, delta: Delta) -> None:
+        if self._writer_claims is not None:
+            self._writer_claims(delta)
+        self._keep(delta)
+
+    def _keep(self, delta: Delta) -> None:
+        if delta.version not in self._deltas:
+            hashes = delta.segment_hashes(
+                where=self.storage.path_of(paths.manifest_key(delta.version))
+            )
+            if hashes is not None:
+                self._added[delta.version] = {h for a in hashes.values() for h in a.tolist()}
+            else:
+                self._added[delta.version] = None if delta.add_segments else set()
+        self._deltas[delta.version] = delta
+        self._published.update(t for t in (delta.commit, *delta.group) if t)
+        if len(self._deltas) > KEPT_DELTAS:
+            oldest = self._deltas.pop(min(self._deltas))
+            del self._added[oldest.version]
+            self._published.difference_update((oldest.commit, *oldest.group))
+        for token in (delta.commit, *delta.group):
+            self._intents.pop(token or "", None)
+
+    def _delta(self, version: int, latest: Manifest) -> Delta | None:
+        """The delta of ``version`` (read once), or None when it cannot be read."""
+        if version == latest.version and latest.head_delta is not None:
+            self._keep(latest.head_delta)
+        if version not in self._deltas:
+            key = paths.manifest_key(version)
+            try:
+                doc = load_document(self.storage.read_bytes(key), where=self.storage.path_of(key))
+            except (FileNotFoundError, HsstoreError, OSError):
+                return None
+            if not isinstance(doc, Delta):
+                return None
+            self._keep(doc)
+        return self._deltas[version]
+
+
+def _hashes(intent: Delta) -> np.ndarray:
+    assert intent.sample_digest is not None
+    return sample_digest.decode(
+        intent.sample_digest,
+        expected=sum(s.num_samples for s in intent.add_segments),
+        where=f"intent {intent.commit}",
+    )
