@@ -14,7 +14,7 @@ import click
 
 from hsstore import settings
 from hsstore.cli._common import handle_errors
-from hsstore.tuning import tune_process
+from hsstore.tuning import space_collections, tune_process
 
 _COMMANDS: dict[str, str] = {
     "demo": "hsstore.cli.demo",
@@ -50,6 +50,7 @@ def main() -> None:
 def _start() -> None:
     settings.current()  # a malformed HSSTORE_* variable stops every command here, named
     tune_process()  # the command line is a program of hsstore's own: its process settings apply
+    space_collections()  # and so is its collector's pace (before a command's heavy imports)
 
 
 _shown = warnings.showwarning

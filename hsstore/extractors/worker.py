@@ -26,6 +26,7 @@ from hsstore.extractors.process_group import die_with_group, lead_own_group
 from hsstore.extractors.prompts import SkippedRow, read_prompts
 from hsstore.extractors.writer_thread import WriterThread
 from hsstore.spec.layers import LayerSpec
+from hsstore.tuning import space_collections
 
 Event = tuple[str, int, dict[str, Any]]  # (kind, rank, payload)
 
@@ -253,6 +254,7 @@ def worker_process_main(spec: WorkerSpec, events: Any) -> None:
     kills when it ends (:mod:`hsstore.extractors.process_group`)."""
     lead_own_group()
     _exit_with_parent()
+    space_collections()  # a program of hsstore's own, as the command line that spawned it
     # the model thread and the writer thread both report: one event at a time on the pipe
     # (a send larger than the pipe's atomic write would otherwise interleave with another)
     lock = threading.Lock()
