@@ -116,3 +116,25 @@ def test_mismatched_existing_dataset_is_refused_and_kept(tiny, prompts, tmp_path
     after = hsstore.open(out)
     assert after.sample_ids == ids and after.manifest.version == version
     assert hsstore.verify(out).ok
+
+
+def test_one_worker_tokenizes_with_the_tokenizer_the_run_checked(
+    tiny, prompts, tmp_path, monkeypatch
+):
+    """The model's tokenizer is loaded once per run: a worker in this process takes the one the
+    checks before any model runs loaded, instead of loading it again from the same files."""
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained.__func__
+    loaded: list[str] = []
+
+    def counted(cls, name, *args, **kwargs):
+        loaded.append(str(name))
+        return real(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(counted))
+    out = tmp_path / "ds"
+    result = extract("--model", str(tiny), "--data", str(prompts), "--out", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["samples_written"] == len(ROWS)
+    assert loaded == [str(tiny)]

@@ -154,7 +154,8 @@ def _run_extract(opts: ExtractOptions) -> dict[str, Any]:
         # an engine never lives in this process: closing an SGLang one kills its process's
         # children and can take the process itself down (see hsstore/extractors/worker.py)
         if opts.workers == 1 and opts.backend not in ENGINE_BACKENDS:
-            results = [run_worker(specs[0], progress.handle)]
+            # the tokenizer checked above, not a second one loaded from the same files
+            results = [run_worker(specs[0], progress.handle, tokenizer=tokenizer)]
         else:
             results = _run_spawned(specs, progress, gpus, opts)
     wall = time.perf_counter() - t0

@@ -135,8 +135,11 @@ def worker_cores(spec: WorkerSpec) -> list[int]:
     return mine or cores
 
 
-def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any]:
-    """Extract this worker's share into the dataset; returns its statistics.
+def run_worker(
+    spec: WorkerSpec, emit: Callable[[Event], None], *, tokenizer: Any = None
+) -> dict[str, Any]:
+    """Extract this worker's share into the dataset; returns its statistics. ``tokenizer``:
+    the model's, already loaded by the caller (else the worker loads it).
 
     The outcome is reported through ``emit`` (``done`` with the statistics, or ``error``)
     *before* the model backend is closed: closing an SGLang engine may take its whole process
@@ -145,7 +148,7 @@ def run_worker(spec: WorkerSpec, emit: Callable[[Event], None]) -> dict[str, Any
     """
     backends: list[Any] = []
     try:
-        result = _extract(spec, emit, backends)
+        result = _extract(spec, emit, backends, tokenizer)
         emit(("done", spec.rank, result))
         return result
     except BaseException as exc:
@@ -163,7 +166,9 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     return {"kind": kind, "message": str(exc), "type": type(exc).__name__}
 
 
-def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any]) -> dict:
+def _extract(
+    spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any], tokenizer: Any
+) -> dict:
     import torch
 
     import hsstore
@@ -172,7 +177,8 @@ def _extract(spec: WorkerSpec, emit: Callable[[Event], None], backends: list[Any
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     t_start = time.perf_counter()
-    tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
     samples, skipped = tokenize_rows(spec, tokenizer)
     ds = hsstore.open(opts.out)
     already = {p.sample_id for p in samples if p.sample_id in ds}
