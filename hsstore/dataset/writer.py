@@ -47,7 +47,8 @@ class Writer:
 
     Used as a context manager it commits on a clean exit and publishes nothing when the block
     raises. Several writers (threads or processes) may append to one dataset at once; each owns
-    its segments, and commits are serialised by the manifest's put-if-absent. A sample id that
+    its segments, and commits are serialised by the manifest's put-if-absent (racing writers'
+    commits go in groups, one version for several: hsstore.commits.group). A sample id that
     is already committed, or added twice, raises DuplicateSampleError.
     """
 
@@ -325,7 +326,7 @@ class Writer:
                 self._seen.update(dict.fromkeys(hashes.tolist(), seg.id))
             self._known_segments.add(seg.id)
         hits = {self._seen[h] for h in my_hashes.tolist() if h in self._seen}
-        for seg in latest.segments:
+        for seg in latest.segments if hits else ():
             if seg.id in hits:
                 _, table = self._indexes_read.get(seg.id) or self._read_index(seg)
                 self._refuse_clash(set(table.column("sample_id").to_pylist()) & my_ids)
