@@ -17,6 +17,7 @@ prints.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -32,12 +33,18 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits.history import list_versions, read_version
 from hsstore.errors import CommitUnknownError, HsstoreError
+from hsstore.spec.manifest import Delta
 from hsstore.storage.locations import open_storage
-from tests.faults import FaultyStorage, InjectedFault, Tally, seeded
+from tests.faults import Call, Fault, FaultyStorage, InjectedFault, Plan, Tally, seeded
 from tools.synthetic import random_sample
 
 HANG_S = 60.0
+# Every CROWD_EVERY-th schedule, CROWD writers commit at once (group commit's schedules).
+CROWD_EVERY = 4
+CROWD = 6
+CREATE_S = 0.02
 
 
 @dataclass
@@ -46,6 +53,8 @@ class Results:
     commits_published: int = 0
     commits_refused: int = 0
     commits_unknown: int = 0  # raised CommitUnknownError, resolved afterwards
+    groups: int = 0  # versions that published other writers' commits beside their own
+    grouped: int = 0  # commits published in another writer's group
     gc_runs: int = 0
     reads: int = 0
     kills: int = 0
@@ -82,7 +91,8 @@ class Results:
         return (
             f"schedules={self.schedules} faults={faults} {kinds} kills={self.kills} "
             f"published={self.commits_published} refused={self.commits_refused} "
-            f"unknown_resolved={self.commits_unknown} gc_runs={self.gc_runs} reads={self.reads} "
+            f"unknown_resolved={self.commits_unknown} groups={self.groups} "
+            f"grouped={self.grouped} gc_runs={self.gc_runs} reads={self.reads} "
             f"lost={len(self.lost)} unopenable={len(self.unopenable)} silent={len(self.silent)} "
             f"damaged={len(self.damaged)} hangs={len(self.hangs)} raw={len(self.raw)}"
             + (
@@ -104,6 +114,19 @@ def sample(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return random_sample(3 + len(name) % 4, 2, 16, seed=sum(map(ord, name)) * 7 + len(name))
 
 
+def _slow_creates(plan: Plan) -> Plan:
+    """``plan``, with each create of a version taking CREATE_S more (an object store's round
+    trip; not a fault, so not tallied): writers that commit at once then overlap in their
+    creates, as on a remote store, rather than take turns on a fast local disk."""
+
+    def slow(call: Call) -> Fault | None:
+        if call.verb == "put_if_absent" and call.key.startswith("manifests/v"):
+            time.sleep(CREATE_S)
+        return plan(call)
+
+    return slow
+
+
 def _acceptable(exc: BaseException) -> bool:
     """An error a user may see: one of hsstore's, or the injected storage failure itself."""
     return isinstance(exc, (HsstoreError, InjectedFault))
@@ -122,10 +145,15 @@ class _Schedule:
         self.refused: set[str] = set()
         self.unknown: list[tuple[object, list[str]]] = []
         self.hung = False
+        # Crowded schedules: every writer commits at once, round after round, so creates lose
+        # their races and commits go in groups (broken for all when a writer leaves early).
+        self.start_line: threading.Barrier | None = None
 
     def storage(self) -> FaultyStorage:
         with self.lock:
             plan = seeded(random.Random(self.rng.random()), self.rate, pause_s=0.04)
+            if self.start_line is not None:
+                plan = _slow_creates(plan)
             s = FaultyStorage(open_storage(self.location), plan, tally=self.results.faults)
             self.storages.append(s)
             return s
@@ -144,6 +172,8 @@ class _Schedule:
                 if not _acceptable(exc):
                     return self.note_raw(f"writer {i} open", exc)
         if w is None:
+            if self.start_line is not None:
+                self.start_line.abort()
             return None
         try:
             for c in range(commits):
@@ -151,6 +181,7 @@ class _Schedule:
                 try:
                     for name in names:
                         w.add(name, *sample(name))
+                    self._line_up(w)
                     w.commit()
                 except CommitUnknownError:
                     with self.lock:
@@ -172,9 +203,17 @@ class _Schedule:
                     self.published.update(names)
                     self.results.commits_published += 1
         finally:
+            if self.start_line is not None:
+                self.start_line.abort()  # the others go on without this writer
             if not any(u[0] is w for u in self.unknown):
                 w.close()
         return None
+
+    def _line_up(self, w: hsstore.Writer) -> None:
+        if self.start_line is not None:
+            w.flush()  # the segment written first, so the commits race only for the version
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.start_line.wait(HANG_S / 4)
 
     def gc(self, runs: int) -> None:
         for _ in range(runs):
@@ -237,6 +276,7 @@ def check(location: str, seed: int, published: set[str], refused: set[str], r: R
     report = hsstore.verify(location)
     if not report.ok:
         r.damaged.append(f"seed {seed}: {report.problems[:3]}")
+    _count_groups(ds, r)
     have = set(ds.sample_ids)
     for name in sorted(published - have):
         r.lost.append(f"seed {seed}: {name} was reported committed")
@@ -253,8 +293,18 @@ def check(location: str, seed: int, published: set[str], refused: set[str], r: R
             r.lost.append(f"seed {seed}: {name} reads back different bytes")
 
 
+def _count_groups(ds: hsstore.Dataset, r: Results) -> None:
+    """Tally the versions that published a group and the commits they carried for others."""
+    for version in list_versions(ds.storage):
+        doc = read_version(ds.storage, version)
+        if isinstance(doc, Delta) and doc.group:
+            r.groups += 1
+            r.grouped += len(doc.group)
+
+
 def run_schedule(location: str, seed: int, results: Results, *, rate: float = 0.04) -> None:
-    """One schedule: 2-3 writers, gc and a reader on threads, faults at ``rate`` of calls."""
+    """One schedule: 2-3 writers (a crowd of CROWD every CROWD_EVERY-th, committing at once),
+    gc and a reader on threads, faults at ``rate`` of calls."""
     make_dataset(location)
     sch = _Schedule(location, seed, results, rate)
     # Every third schedule gives writers almost no time to learn an unknown outcome, so
@@ -280,9 +330,15 @@ def run_schedule(location: str, seed: int, results: Results, *, rate: float = 0.
 def _run_threads(sch: _Schedule, seed: int, results: Results) -> None:
     rng = sch.rng
     jobs: list[Callable[[], None]] = []
-    for i in range(rng.choice([2, 2, 3])):
-        ttl = rng.choice([0.03, 0.2, 5.0])
-        jobs.append(lambda i=i, ttl=ttl: sch.writer(i, rng.choice([1, 2]), ttl))
+    if seed % CROWD_EVERY == 1:
+        sch.start_line = threading.Barrier(CROWD)
+        for i in range(CROWD):
+            ttl = rng.choice([0.2, 5.0])
+            jobs.append(lambda i=i, ttl=ttl: sch.writer(i, 2, ttl))
+    else:
+        for i in range(rng.choice([2, 2, 3])):
+            ttl = rng.choice([0.03, 0.2, 5.0])
+            jobs.append(lambda i=i, ttl=ttl: sch.writer(i, rng.choice([1, 2]), ttl))
     jobs.append(lambda: sch.gc(rng.choice([1, 2])))
     jobs.append(sch.reader)
     threads = [threading.Thread(target=job, daemon=True) for job in jobs]

@@ -58,6 +58,9 @@ def test_schedules_on_a_local_filesystem(scratch):
     assert results.schedules == n
     assert sum(results.faults.counts.values()) > 5 * n  # the faults were really injected
     assert results.commits_published and results.commits_refused and results.reads
+    # The crowded schedules' writers commit at once: creates lose races and commits go in
+    # groups (group commit's leaders, intents and recognition of tokens, under faults).
+    assert results.groups > 0 and results.grouped > 0
 
 
 def test_metadata_damage_schedules(scratch):

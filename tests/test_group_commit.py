@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.errors import CommitUnknownError, DuplicateSampleError, SegmentRemovedError
 from hsstore.spec import paths
 from hsstore.storage.local_store import LocalStorage
-from tests.faults import Fault, FaultyStorage, at
+from tests.faults import Call, Fault, FaultyStorage, at
 from tools.synthetic import random_sample
 
 H = 16
@@ -39,11 +42,27 @@ class _Stops:
         self.reached = threading.Event()
         self.release = threading.Event()
 
-    def at(self, verb: str, key: str) -> None:
+    def at(self, verb: str, key: str, *, heartbeat: bool = False) -> threading.Event:
+        """Stop at the next ``verb`` on ``key``; ``heartbeat``: also stop every lease refresh
+        from then on (a stopped process refreshes nothing). Returns the previous stop's
+        release, for the caller to set once this one is in place."""
+        previous = self.release
         self.reached, self.release = threading.Event(), threading.Event()
-        self.storage.plan = at(
-            verb, key, Fault("pause", seconds=30, release=self.release, reached=self.reached)
-        )
+        pause = Fault("pause", seconds=30, release=self.release, reached=self.reached)
+        first = at(verb, key, pause)
+
+        def plan(call: Call) -> Fault | None:
+            if heartbeat and call.verb == "put" and call.key.endswith(paths.WRITING_LOCK):
+                return pause
+            return first(call)
+
+        self.storage.plan = plan
+        return previous
+
+    def wait_at(self, verb: str, key: str, *, heartbeat: bool = False) -> None:
+        """Let the writer go on from its current stop to the next ``verb`` on ``key``."""
+        self.at(verb, key, heartbeat=heartbeat).set()
+        assert self.reached.wait(10), f"never reached {verb} {key}"
 
     def go(self) -> None:
         self.release.set()
@@ -103,3 +122,295 @@ def test_a_leader_publishes_a_waiting_writers_intent_in_its_version(tmp_path):
         assert torch.equal(ds.get(name).hidden, random_sample(n, 2, H, seed=seed)[2])
     wa.close()
     wb.close()
+
+
+# -- the schedules below: A (and B) lose their create of version 2 to C and wait ---------------
+
+
+# -- the schedules below: A (and B) lose their create of the next version to C and wait ------
+
+
+def _writer(stops: _Stops, *samples: tuple[str, int], **options):
+    """A writer on ``stops``' storage holding ``samples`` (name, seed) of 4 tokens each."""
+    w = hsstore.open(stops.storage).writer(encode_threads=1, **options)
+    for name, seed in samples:
+        w.add(name, *random_sample(4, 2, H, seed=seed))
+    return w
+
+
+def _race(path: Path, writers: dict, theirs: tuple[str, int]) -> tuple[dict, dict]:
+    """Commit each of ``writers`` ({name: (stops, writer)}) on a thread, all stopped right
+    before creating the next version, which C then takes with sample ``theirs``."""
+    for stops, _ in writers.values():
+        stops.at("put_if_absent", "manifests/v")
+    results: dict = {}
+    threads = {name: _commit_in_thread(w, results, name) for name, (_, w) in writers.items()}
+    for stops, _ in writers.values():
+        assert stops.reached.wait(10)
+    with hsstore.open(path).writer(encode_threads=1) as wc:
+        wc.add(theirs[0], *random_sample(4, 2, H, seed=theirs[1]))
+    return results, threads
+
+
+def _finish(stops: _Stops, threads: dict, name: str) -> None:
+    stops.go()
+    threads[name].join(10)
+    assert not threads[name].is_alive(), f"{name} did not finish"
+
+
+class _Scene:
+    """A and B (unless ``b`` is None) commit samples (name, seed) on threads, both stopped
+    right before creating version 2, which C takes with ``c``."""
+
+    def __init__(self, tmp_path: Path, a, b=(("b", 2),), *, c=("c", 3), **a_options):
+        self.path = tmp_path / "ds"
+        _create(self.path)
+        self.a, self.b = _Stops(self.path), _Stops(self.path)
+        self.wa = _writer(self.a, *a, **a_options)
+        self.wb = _writer(self.b, *b) if b is not None else None
+        racers = {"a": (self.a, self.wa)}
+        if self.wb is not None:
+            racers["b"] = (self.b, self.wb)
+        self.results, self.threads = _race(self.path, racers, c)
+
+    def a_waits(self, *, heartbeat: bool = False) -> tuple[str, dict]:
+        """A loses its create, leaves its intent and stops as it first lists the intents (so
+        it cannot lead; ``heartbeat``: its leases stop too). Returns A's token and intent."""
+        self.a.wait_at("list", paths.INTENTS, heartbeat=heartbeat)
+        ((token, intent),) = _intents(self.path).items()
+        return token, intent
+
+    def finish(self, name: str):
+        """Let ``name`` ("a" or "b") go on to the end; what its commit returned or raised."""
+        _finish(self.a if name == "a" else self.b, self.threads, name)
+        return self.results[name]
+
+    def close(self) -> None:
+        for w in (self.wa, self.wb):
+            if w is not None:
+                w.close()
+
+
+def _intents(path: Path) -> dict[str, dict]:
+    """The intents waiting now, by token."""
+    folder = path / paths.INTENTS
+    files = sorted(folder.glob("*.json")) if folder.exists() else []
+    return {f.stem: json.loads(f.read_bytes()) for f in files}
+
+
+def _segment_folders(path: Path) -> set[str]:
+    return {p.name for p in (path / paths.SEGMENTS).iterdir() if paths.is_segment_id(p.name)}
+
+
+def _assert_holds(path: Path, expected: dict[str, int]) -> hsstore.Dataset:
+    """The dataset holds exactly ``expected`` ({name: seed}), each once and bit-exact, and
+    verifies."""
+    ds = hsstore.open(path)
+    assert sorted(ds.sample_ids) == sorted(expected)
+    assert len(ds.sample_ids) == len(set(ds.sample_ids))
+    for name, seed in expected.items():
+        assert torch.equal(ds.get(name).hidden, random_sample(4, 2, H, seed=seed)[2]), name
+    assert hsstore.verify(path, full=True).ok
+    return ds
+
+
+def test_an_intent_sharing_an_id_with_the_leaders_commit_is_refused_when_its_writer_leads(
+    tmp_path,
+):
+    s = _Scene(tmp_path, a=(("a", 1), ("x", 11)), b=(("x", 12),))
+    token_a, intent_a = s.a_waits()
+    segment_a = intent_a["add_segments"][0]["id"]
+    assert s.finish("b").version == 3  # B holds "x" too and leads: A's intent is left out
+    v3 = _delta(s.path, 3)
+    assert v3.get("group", []) == [] and v3["commit"] != token_a
+    assert segment_a not in [seg["id"] for seg in v3["add_segments"]]
+    assert _intents(s.path) == {}  # B dropped A's intent (and its own)
+    err = s.finish("a")  # A leads, checks its ids exactly and refuses
+    assert isinstance(err, DuplicateSampleError), err
+    assert err.sample_id == "x" and "'x'" in str(err) and "nothing" in str(err)
+    ds = _assert_holds(s.path, {"c": 3, "x": 12})  # "x" once: B's bytes
+    assert ds.manifest.version == 3
+    assert segment_a not in _segment_folders(s.path)  # A aborted: its files are gone
+    assert _segment_folders(s.path) == {seg.id for seg in ds.manifest.segments}
+    assert _intents(s.path) == {}
+    s.close()
+
+
+def test_an_intent_sharing_an_id_with_the_version_that_beat_its_create_is_never_published(
+    tmp_path,
+):
+    """C's version 2 holds "x", which A's commit holds too: A's create of version 2 loses, and
+    its intent must not be published after version 2 by another leader."""
+    s = _Scene(tmp_path, a=(("a", 1), ("x", 11)), c=("x", 13))
+    token_a, _ = s.a_waits()
+    s.finish("b")
+    assert token_a not in _delta(s.path, 3).get("group", [])
+    err = s.finish("a")
+    assert isinstance(err, DuplicateSampleError) and err.sample_id == "x", err
+    _assert_holds(s.path, {"b": 2, "x": 13})  # "x" once: C's bytes
+    assert _intents(s.path) == {}
+    s.close()
+
+
+def test_an_intent_whose_segment_gc_condemned_is_never_published(tmp_path):
+    s = _Scene(tmp_path, a=(("a", 1), ("a2", 4)), lease_ttl_s=0.2)
+    token_a, intent_a = s.a_waits(heartbeat=True)  # A stopped whole: its lease lapses
+    segment_a = intent_a["add_segments"][0]["id"]
+    time.sleep(0.6)
+    # gc condemns A's segment (version 3) and is stopped before it sweeps the intents.
+    g = _Stops(s.path)
+    g.at("list", paths.INTENTS)
+    swept: dict = {}
+    gc = threading.Thread(target=lambda: swept.update(r=hsstore.gc(g.storage, grace_s=0)))
+    gc.start()
+    assert g.reached.wait(10)
+    assert _delta(s.path, 3)["condemn"] == [segment_a]
+    assert segment_a not in _segment_folders(s.path)
+    assert s.finish("b").version == 4  # B leads after gc's version, leaving A's intent out
+    v4 = _delta(s.path, 4)
+    assert v4.get("group", []) == [] and len(v4["add_segments"]) == 1
+    assert token_a not in _intents(s.path)
+    g.go()
+    gc.join(10)
+    assert swept["r"].removed_segments == [segment_a]
+    err = s.finish("a")
+    assert isinstance(err, SegmentRemovedError), err
+    assert err.published is None and sorted(err.sample_ids) == ["a", "a2"]
+    assert "'a'" in str(err) and "nothing was published" in str(err)
+    ds = _assert_holds(s.path, {"b": 2, "c": 3})
+    assert ds.manifest.version == 4
+    assert _intents(s.path) == {}
+    s.close()
+
+
+@pytest.mark.parametrize("publisher", ["another leader", "its own writer"])
+def test_an_unknown_outcome_while_the_intent_waits_is_learnt_by_committing_again(
+    tmp_path, monkeypatch, publisher
+):
+    monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
+    by_b = publisher == "another leader"
+    s = _Scene(tmp_path, a=(("a", 1),), b=(("b", 2),) if by_b else None)
+    token_a, _ = s.a_waits()
+    reads = ("read_bytes", "list", "exists", "stat")
+    s.a.storage.plan = lambda call: Fault("fail") if call.verb in reads else None
+    err = s.finish("a")  # every read fails for longer than the resolve timeout
+    assert isinstance(err, CommitUnknownError), err
+    assert token_a in str(err) and "commit again" in str(err)
+    assert token_a in _intents(s.path)  # nothing was deleted: a leader may still publish it
+    expected = {"a": 1, "c": 3}
+    if by_b:
+        assert s.finish("b").version == 3 and _delta(s.path, 3)["group"] == [token_a]
+        expected["b"] = 2
+    else:
+        assert not (s.path / paths.manifest_key(3)).exists()
+    s.a.storage.plan = None  # the storage answers again
+    assert s.wa.commit().version == 3
+    v3 = _delta(s.path, 3)
+    assert token_a in [v3["commit"], *v3.get("group", [])]
+    assert _assert_holds(s.path, expected).manifest.version == 3
+    assert _intents(s.path) == {}
+    s.close()
+
+
+def test_a_damaged_intent_is_passed_over_and_its_writer_publishes_its_own_copy(tmp_path):
+    s = _Scene(tmp_path, a=(("a", 1),))
+    token_a, _ = s.a_waits()
+    intent_file = s.path / paths.intent_key(token_a)
+    data = bytearray(intent_file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit flipped, still text
+    intent_file.write_bytes(bytes(data))
+    assert s.finish("b").version == 3  # B passes it over and drops it
+    assert _delta(s.path, 3).get("group", []) == [] and _intents(s.path) == {}
+    assert s.finish("a").version == 4  # A leads and publishes the copy it holds
+    v4 = _delta(s.path, 4)
+    assert v4["commit"] == token_a and v4.get("group", []) == []
+    _assert_holds(s.path, {"a": 1, "b": 2, "c": 3})
+    assert _intents(s.path) == {}
+    s.close()
+
+
+def test_a_writer_that_dies_while_its_intent_waits_still_has_it_published_once(tmp_path):
+    s = _Scene(tmp_path, a=(("a", 1), ("a2", 4)))
+    everyone = {"a": 1, "a2": 4, "b": 2, "c": 3}
+    try:
+        token_a, intent_a = s.a_waits(heartbeat=True)  # A never runs again (until the end)
+        assert s.finish("b").version == 3 and _delta(s.path, 3)["group"] == [token_a]
+        ds = _assert_holds(s.path, everyone)
+        assert intent_a["add_segments"][0]["id"] in {seg.id for seg in ds.manifest.segments}
+        assert _intents(s.path) == {}
+        # Its segment is published, so gc never takes it for debris, however dead A is.
+        assert hsstore.gc(s.path, grace_s=0).removed_segments == []
+        _assert_holds(s.path, everyone)
+    finally:
+        s.a.go()
+    assert s.finish("a").version == 3  # woken, A learns its outcome from B's version
+    assert hsstore.open(s.path).manifest.version == 3
+    s.close()
+
+
+def test_gc_deletes_the_intents_no_version_can_publish_and_keeps_a_waiting_writers(tmp_path):
+    # P waits and B publishes P's intent, but B's deletes of intents fail: both stay behind.
+    s = _Scene(tmp_path, a=(("p", 5),))
+    token_p, _ = s.a_waits()
+    stopped_b = s.b.storage.plan
+    s.b.storage.plan = lambda call: (
+        Fault("fail") if call.verb == "delete" and paths.INTENTS in call.key else stopped_b(call)
+    )
+    assert s.finish("b").version == s.finish("a").version == 3
+    assert _delta(s.path, 3)["group"] == [token_p]
+    published = set(_intents(s.path))
+    assert token_p in published and len(published) == 2  # P's and B's own
+    # A (lease lapses) and D (lease live) lose their creates of version 4 to E and wait.
+    a, d = _Stops(s.path), _Stops(s.path)
+    wa = _writer(a, ("a", 1), lease_ttl_s=0.2)
+    wd = _writer(d, ("d", 6))
+    results, threads = _race(s.path, {"a": (a, wa), "d": (d, wd)}, ("e", 7))
+    a.wait_at("list", paths.INTENTS, heartbeat=True)
+    (token_a,) = set(_intents(s.path)) - published
+    d.wait_at("list", paths.INTENTS)
+    (token_d,) = set(_intents(s.path)) - published - {token_a}
+    time.sleep(0.6)  # A's lease lapses
+    report = hsstore.gc(s.path, grace_s=0)
+    assert len(report.removed_segments) == 1  # A's
+    assert sorted(report.removed_files) == sorted(
+        paths.intent_key(t) for t in (*published, token_a)
+    )
+    assert set(_intents(s.path)) == {token_d}  # D's lease is live: it may still be published
+    _finish(d, threads, "d")
+    assert results["d"].version == 6  # after gc's version 5
+    _finish(a, threads, "a")
+    assert isinstance(results["a"], SegmentRemovedError), results["a"]
+    _assert_holds(s.path, {"b": 2, "c": 3, "d": 6, "e": 7, "p": 5})
+    assert _intents(s.path) == {}
+    s.close()
+    wa.close()
+    wd.close()
+
+
+def test_a_commit_whose_intent_put_lost_its_reply_is_never_reported_failed(tmp_path, monkeypatch):
+    """A's intent is written but the reply is lost, and then A cannot read the versions: the
+    intent may be published by another leader, so A must not say "nothing was published"."""
+    monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
+    s = _Scene(tmp_path, a=(("a", 1),))
+    lost = threading.Event()
+
+    def plan(call: Call) -> Fault | None:
+        if call.verb == "put" and paths.INTENTS in call.key and not lost.is_set():
+            lost.set()
+            return Fault("lose")  # the intent is written; A hears an error
+        if lost.is_set() and call.verb == "read_bytes" and call.key.startswith("manifests/v"):
+            return Fault("fail")
+        return None
+
+    s.a.storage.plan = plan
+    err = s.finish("a")
+    assert lost.is_set() and len(_intents(s.path)) == 1
+    if isinstance(err, BaseException):
+        assert isinstance(err, CommitUnknownError), f"{type(err).__name__}: {err}"
+    assert s.finish("b").version == 3  # B leads and may publish A's intent
+    s.a.storage.plan = None
+    if isinstance(err, CommitUnknownError):
+        assert s.wa.commit().version == 3
+    _assert_holds(s.path, {"a": 1, "b": 2, "c": 3})
+    assert _intents(s.path) == {}
+    s.close()
