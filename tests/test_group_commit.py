@@ -48,12 +48,14 @@ class _Stops:
         release, for the caller to set once this one is in place."""
         previous = self.release
         self.reached, self.release = threading.Event(), threading.Event()
-        pause = Fault("pause", seconds=30, release=self.release, reached=self.reached)
-        first = at(verb, key, pause)
+        first = at(
+            verb, key, Fault("pause", seconds=30, release=self.release, reached=self.reached)
+        )
+        beat = Fault("pause", seconds=30, release=self.release)  # not the stop waited for
 
         def plan(call: Call) -> Fault | None:
             if heartbeat and call.verb == "put" and call.key.endswith(paths.WRITING_LOCK):
-                return pause
+                return beat
             return first(call)
 
         self.storage.plan = plan
