@@ -44,17 +44,21 @@ class _Stops:
 
     def at(self, verb: str, key: str, *, heartbeat: bool = False) -> threading.Event:
         """Stop at the next ``verb`` on ``key``; ``heartbeat``: also stop every lease refresh
-        from then on (a stopped process refreshes nothing). Returns the previous stop's
-        release, for the caller to set once this one is in place."""
+        once the writer has left its intent (a stopped process refreshes nothing). Returns the
+        previous stop's release, for the caller to set once this one is in place."""
         previous = self.release
         self.reached, self.release = threading.Event(), threading.Event()
         first = at(
             verb, key, Fault("pause", seconds=30, release=self.release, reached=self.reached)
         )
         beat = Fault("pause", seconds=30, release=self.release)  # not the stop waited for
+        waiting = threading.Event()
 
         def plan(call: Call) -> Fault | None:
-            if heartbeat and call.verb == "put" and call.key.endswith(paths.WRITING_LOCK):
+            if call.verb == "put" and call.key.startswith(paths.INTENTS):
+                waiting.set()
+            lease = call.verb == "put" and call.key.endswith(paths.WRITING_LOCK)
+            if heartbeat and lease and waiting.is_set():
                 return beat
             return first(call)
 
@@ -238,17 +242,17 @@ def test_an_intent_sharing_an_id_with_the_leaders_commit_is_refused_when_its_wri
     s.close()
 
 
-def test_an_intent_sharing_an_id_with_the_version_that_beat_its_create_is_never_published(
+def test_a_commit_sharing_an_id_with_the_version_that_beat_its_create_leaves_no_intent(
     tmp_path,
 ):
     """C's version 2 holds "x", which A's commit holds too: A's create of version 2 loses, and
-    its intent must not be published after version 2 by another leader."""
+    A refuses before it leaves an intent (one would be checked only after version 2)."""
     s = _Scene(tmp_path, a=(("a", 1), ("x", 11)), c=("x", 13))
-    token_a, _ = s.a_waits()
-    s.finish("b")
-    assert token_a not in _delta(s.path, 3).get("group", [])
     err = s.finish("a")
     assert isinstance(err, DuplicateSampleError) and err.sample_id == "x", err
+    assert _intents(s.path) == {}
+    assert s.finish("b").version == 3
+    assert _delta(s.path, 3).get("group", []) == []
     _assert_holds(s.path, {"b": 2, "x": 13})  # "x" once: C's bytes
     assert _intents(s.path) == {}
     s.close()
