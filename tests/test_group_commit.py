@@ -18,27 +18,27 @@ import hsstore
 from hsstore import LayerSpec
 from hsstore.errors import CommitUnknownError, DuplicateSampleError, SegmentRemovedError
 from hsstore.spec import paths
-from hsstore.storage.local_store import LocalStorage
+from hsstore.storage.locations import open_storage
 from tests.faults import Call, Fault, FaultyStorage, at
 from tools.synthetic import random_sample
 
 H = 16
 
 
-def _create(path: Path) -> None:
+def _create(path: Path | str) -> None:
     hsstore.create(path, layers=[LayerSpec(1), LayerSpec(2)], hidden_size=H,
                    dtype=torch.bfloat16)  # fmt: skip
 
 
-def _delta(path: Path, version: int) -> dict:
-    return json.loads((path / paths.manifest_key(version)).read_bytes())
+def _delta(path: Path | str, version: int) -> dict:
+    return json.loads(open_storage(str(path)).read_bytes(paths.manifest_key(version)))
 
 
 class _Stops:
     """Pauses a storage at the calls a test names, one after another."""
 
-    def __init__(self, path: Path):
-        self.storage = FaultyStorage(LocalStorage(str(path)))
+    def __init__(self, path: Path | str):
+        self.storage = FaultyStorage(open_storage(str(path)))
         self.reached = threading.Event()
         self.release = threading.Event()
 
@@ -144,7 +144,7 @@ def _writer(stops: _Stops, *samples: tuple[str, int], **options):
     return w
 
 
-def _race(path: Path, writers: dict, theirs: tuple[str, int]) -> tuple[dict, dict]:
+def _race(path: Path | str, writers: dict, theirs: tuple[str, int]) -> tuple[dict, dict]:
     """Commit each of ``writers`` ({name: (stops, writer)}) on a thread, all stopped right
     before creating the next version, which C then takes with sample ``theirs``."""
     for stops, _ in writers.values():
@@ -168,8 +168,8 @@ class _Scene:
     """A and B (unless ``b`` is None) commit samples (name, seed) on threads, both stopped
     right before creating version 2, which C takes with ``c``."""
 
-    def __init__(self, tmp_path: Path, a, b=(("b", 2),), *, c=("c", 3), **a_options):
-        self.path = tmp_path / "ds"
+    def __init__(self, path: Path | str, a, b=(("b", 2),), *, c=("c", 3), **a_options):
+        self.path = path
         _create(self.path)
         self.a, self.b = _Stops(self.path), _Stops(self.path)
         self.wa = _writer(self.a, *a, **a_options)
@@ -197,18 +197,22 @@ class _Scene:
                 w.close()
 
 
-def _intents(path: Path) -> dict[str, dict]:
+def _intents(path: Path | str) -> dict[str, dict]:
     """The intents waiting now, by token."""
-    folder = path / paths.INTENTS
-    files = sorted(folder.glob("*.json")) if folder.exists() else []
-    return {f.stem: json.loads(f.read_bytes()) for f in files}
+    storage = open_storage(str(path))
+    try:
+        names = storage.list(paths.INTENTS)
+    except FileNotFoundError:
+        return {}
+    tokens = (paths.intent_token(name) for name in names)
+    return {t: json.loads(storage.read_bytes(paths.intent_key(t))) for t in tokens if t}
 
 
 def _segment_folders(path: Path) -> set[str]:
     return {p.name for p in (path / paths.SEGMENTS).iterdir() if paths.is_segment_id(p.name)}
 
 
-def _assert_holds(path: Path, expected: dict[str, int]) -> hsstore.Dataset:
+def _assert_holds(path: Path | str, expected: dict[str, int]) -> hsstore.Dataset:
     """The dataset holds exactly ``expected`` ({name: seed}), each once and bit-exact, and
     verifies."""
     ds = hsstore.open(path)
@@ -223,7 +227,7 @@ def _assert_holds(path: Path, expected: dict[str, int]) -> hsstore.Dataset:
 def test_an_intent_sharing_an_id_with_the_leaders_commit_is_refused_when_its_writer_leads(
     tmp_path,
 ):
-    s = _Scene(tmp_path, a=(("a", 1), ("x", 11)), b=(("x", 12),))
+    s = _Scene(tmp_path / "ds", a=(("a", 1), ("x", 11)), b=(("x", 12),))
     token_a, intent_a = s.a_waits()
     segment_a = intent_a["add_segments"][0]["id"]
     assert s.finish("b").version == 3  # B holds "x" too and leads: A's intent is left out
@@ -247,7 +251,7 @@ def test_a_commit_sharing_an_id_with_the_version_that_beat_its_create_leaves_no_
 ):
     """C's version 2 holds "x", which A's commit holds too: A's create of version 2 loses, and
     A refuses before it leaves an intent (one would be checked only after version 2)."""
-    s = _Scene(tmp_path, a=(("a", 1), ("x", 11)), c=("x", 13))
+    s = _Scene(tmp_path / "ds", a=(("a", 1), ("x", 11)), c=("x", 13))
     err = s.finish("a")
     assert isinstance(err, DuplicateSampleError) and err.sample_id == "x", err
     assert _intents(s.path) == {}
@@ -259,7 +263,7 @@ def test_a_commit_sharing_an_id_with_the_version_that_beat_its_create_leaves_no_
 
 
 def test_an_intent_whose_segment_gc_condemned_is_never_published(tmp_path):
-    s = _Scene(tmp_path, a=(("a", 1), ("a2", 4)), lease_ttl_s=0.2)
+    s = _Scene(tmp_path / "ds", a=(("a", 1), ("a2", 4)), lease_ttl_s=0.2)
     token_a, intent_a = s.a_waits(heartbeat=True)  # A stopped whole: its lease lapses
     segment_a = intent_a["add_segments"][0]["id"]
     time.sleep(0.6)
@@ -295,7 +299,7 @@ def test_an_unknown_outcome_while_the_intent_waits_is_learnt_by_committing_again
 ):
     monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
     by_b = publisher == "another leader"
-    s = _Scene(tmp_path, a=(("a", 1),), b=(("b", 2),) if by_b else None)
+    s = _Scene(tmp_path / "ds", a=(("a", 1),), b=(("b", 2),) if by_b else None)
     token_a, _ = s.a_waits()
     reads = ("read_bytes", "list", "exists", "stat")
     s.a.storage.plan = lambda call: Fault("fail") if call.verb in reads else None
@@ -319,7 +323,7 @@ def test_an_unknown_outcome_while_the_intent_waits_is_learnt_by_committing_again
 
 
 def test_a_damaged_intent_is_passed_over_and_its_writer_publishes_its_own_copy(tmp_path):
-    s = _Scene(tmp_path, a=(("a", 1),))
+    s = _Scene(tmp_path / "ds", a=(("a", 1),))
     token_a, _ = s.a_waits()
     intent_file = s.path / paths.intent_key(token_a)
     data = bytearray(intent_file.read_bytes())
@@ -335,8 +339,12 @@ def test_a_damaged_intent_is_passed_over_and_its_writer_publishes_its_own_copy(t
     s.close()
 
 
-def test_a_writer_that_dies_while_its_intent_waits_still_has_it_published_once(tmp_path):
-    s = _Scene(tmp_path, a=(("a", 1), ("a2", 4)))
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_writer_that_dies_while_its_intent_waits_still_has_it_published_once(
+    tmp_path, request, where
+):
+    location = tmp_path / "ds" if where == "local" else f"{request.getfixturevalue('s3_url')}/ds"
+    s = _Scene(location, a=(("a", 1), ("a2", 4)))
     everyone = {"a": 1, "a2": 4, "b": 2, "c": 3}
     try:
         token_a, intent_a = s.a_waits(heartbeat=True)  # A never runs again (until the end)
@@ -356,7 +364,7 @@ def test_a_writer_that_dies_while_its_intent_waits_still_has_it_published_once(t
 
 def test_gc_deletes_the_intents_no_version_can_publish_and_keeps_a_waiting_writers(tmp_path):
     # P waits and B publishes P's intent, but B's deletes of intents fail: both stay behind.
-    s = _Scene(tmp_path, a=(("p", 5),))
+    s = _Scene(tmp_path / "ds", a=(("p", 5),))
     token_p, _ = s.a_waits()
     stopped_b = s.b.storage.plan
     s.b.storage.plan = lambda call: (
@@ -397,7 +405,7 @@ def test_a_commit_whose_intent_put_lost_its_reply_is_never_reported_failed(tmp_p
     """A's intent is written but the reply is lost, and then A cannot read the versions: the
     intent may be published by another leader, so A must not say "nothing was published"."""
     monkeypatch.setenv("HSSTORE_RESOLVE_TIMEOUT", "0.3")
-    s = _Scene(tmp_path, a=(("a", 1),))
+    s = _Scene(tmp_path / "ds", a=(("a", 1),))
     lost = threading.Event()
 
     def plan(call: Call) -> Fault | None:
