@@ -5,8 +5,9 @@ leaves its delta as an intent (`hsstore.commits.intents`) and waits: the writer 
 smallest waiting token leads, publishing every intent it can in one version whose ``group``
 lists their tokens, and the others recognise their token there. So versions, and every
 writer's reads of them, grow with the number of groups rather than of commits. Leading is only
-an optimisation: any writer may lead at any time (one that waited ``PATIENCE_S`` for a version
-that never came does), since the conditional create orders leaders as it orders writers.
+an optimisation: any writer may lead at any time (the next in token order does when no version
+has come for a while: see PATIENCE_S), since the conditional create orders leaders as it
+orders writers.
 
 A leader publishes another writer's intent only as that writer would have: no version after
 the intent's base carries its token already, condemns or removes one of its segments, or adds
