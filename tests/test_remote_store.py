@@ -20,10 +20,12 @@ from click.testing import CliRunner, Result
 import hsstore
 from hsstore import LayerSpec
 from hsstore.cli import main
+from hsstore.commits.history import read_version
 from hsstore.errors import HsstoreError, StorageError
 from hsstore.interop.convert import read_lengths
 from hsstore.loader import Loader
 from hsstore.spec import paths
+from hsstore.spec.manifest import Delta
 from hsstore.storage.locations import open_storage
 from hsstore.storage.object_store import ObjectStorage
 from tools.convert_fixtures import write_v1_dir
@@ -122,7 +124,14 @@ def test_four_writer_processes_into_one_dataset(remote_url):
         assert p.returncode == 0, err
     ds = hsstore.open(remote_url)
     assert sorted(ds.sample_ids) == sorted(f"w{k}-{i}" for k in range(4) for i in range(12))
-    assert ds.manifest.version == 1 + 4 * 3
+    # Every commit published once: alone in a version, or in another writer's group.
+    storage = open_storage(remote_url)
+    tokens = []
+    for v in range(2, ds.manifest.version + 1):
+        delta = read_version(storage, v)
+        assert isinstance(delta, Delta)
+        tokens += [delta.commit, *delta.group]
+    assert len(tokens) == len(set(tokens)) == 4 * 3
     assert hsstore.verify(remote_url).ok
 
 
