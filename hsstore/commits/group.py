@@ -343,11 +343,8 @@ class GroupCommit:
 
     def _keep(self, delta: Delta) -> None:
         if delta.version not in self._deltas:
-            hashes = delta.segment_hashes(
-                where=self.storage.path_of(paths.manifest_key(delta.version))
-            )
-            if hashes is not None:
-                self._added[delta.version] = {h for a in hashes.values() for h in a.tolist()}
+            if delta.sample_hashes is not None:
+                self._added[delta.version] = set(delta.sample_hashes.tolist())
             else:
                 self._added[delta.version] = None if delta.add_segments else set()
         self._deltas[delta.version] = delta
@@ -376,9 +373,6 @@ class GroupCommit:
 
 
 def _hashes(intent: Delta) -> np.ndarray:
-    assert intent.sample_digest is not None
-    return sample_digest.decode(
-        intent.sample_digest,
-        expected=sum(s.num_samples for s in intent.add_segments),
-        where=f"intent {intent.commit}",
-    )
+    """An intent's id hashes (`intents.read` and `proposal` give every intent a digest)."""
+    assert intent.sample_hashes is not None
+    return intent.sample_hashes

@@ -295,8 +295,7 @@ class Writer:
     def _note_ids(self, delta: Delta) -> None:
         """Keep the id hashes of segments a version adds (its sample digest), for the next
         commit's check; a version without a digest leaves its segments' indexes to read."""
-        where = self.storage.path_of(paths.manifest_key(delta.version))
-        hashes = delta.segment_hashes(where=where)
+        hashes = delta.segment_hashes
         if hashes is None:
             # Read now, while catching up, so that the step from the last read of the log to
             # the create is short; the check reads again any that failed to read now.

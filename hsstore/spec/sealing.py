@@ -11,6 +11,13 @@ from typing import Any
 
 import xxhash
 
+from hsstore.spec.schema import validate
+
+# What every version file says it is. Every format from 1 on is read (the schema's minimum);
+# format 1 wrote only full manifests without a checksum (see FORMAT.md).
+FORMAT_NAME = "hsstore"
+FORMAT_VERSION = 5
+
 _CHECKSUM_TAIL = re.compile(rb'^,"checksum":"([0-9a-f]{16})"\}$')
 _TAIL_LEN = len(',"checksum":"') + 16 + len('"}')
 
@@ -37,3 +44,10 @@ def sealed_checksum(data: bytes) -> str | None:
     """The checksum a sealed file carries in its tail (None when the bytes are not sealed)."""
     tail = _CHECKSUM_TAIL.match(data.rstrip(b"\n")[-_TAIL_LEN:])
     return tail.group(1).decode() if tail else None
+
+
+def seal_checked(obj: dict[str, Any], *, where: str) -> bytes:
+    """`seal_document` of a version file's JSON object, once the schema accepts it."""
+    obj.pop("checksum", None)
+    validate(obj, where=where)
+    return seal_document(obj)
