@@ -15,6 +15,11 @@ Each phase runs its engine in its own process (one engine per process):
 4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the wall
    difference over the extra prompts' tokens, so engine start-up is not counted.
 
+Phases 3 and 4 alternate over ``--rounds`` rounds (the plain forward, then the two
+extractions): a shared machine's pace drifts by 10% and more between processes a minute apart,
+so each round's extraction is set against the forward measured just before it, and the median
+round is reported.
+
 For each pair: the wall time, the CPU time of every process (this one and the engine's) and
 the peak private memory (RssAnon) with capture minus without; the capture's shared memory is
 the slot pool's size (each page once).
@@ -30,11 +35,17 @@ Last line:
 * ``host_us_per_token``: the capture's CPU microseconds per token;
 * ``peak_rss_per_sample``: memory the capture adds per in-flight sample (its slot pool plus
   the median private-memory difference), over the sample's state bytes;
-* ``extract_vs_forward``: ``hsstore extract``'s tokens/s over the plain forward's (mean of its
-  two runs).
+* ``extract_vs_forward``: ``hsstore extract``'s tokens/s over the plain forward's, the median
+  of the rounds.
 
 The line before it gives the same in other units: wall-clock rates, and the paired
-differences per token in CPU and in wall time (the latter need an idle machine).
+differences per token in CPU and in wall time (the latter need an idle machine). The line
+before that splits the median round's extraction, in microseconds per extra token: ``wall``
+= ``forward`` (the plain forward's pace) + ``in_engine`` (the rest of the time the worker
+waited on the engine: the capture's hook and receipt, which the paired phase measures as
+``capture``, the engine's aux capture, and the forward's share of the cores that the writer
+thread takes) + ``outside`` (tokenising, the writer's tail and last commit); and every
+round's ratio.
 """
 
 from __future__ import annotations
@@ -283,9 +294,15 @@ def _median(values: list[float]) -> float:
 
 
 def phase_extract(
-    model: str, work: str, rows: int, backend: str = "sglang", max_batch_tokens: int = 16384
+    model: str,
+    work: str,
+    rows: int,
+    backend: str = "sglang",
+    max_batch_tokens: int = 16384,
+    tag: str = "",
 ) -> dict[str, Any]:
-    """``hsstore extract --backend BACKEND`` on ``rows`` chat prompts cut at TOKENS tokens."""
+    """``hsstore extract --backend BACKEND`` on ``rows`` chat prompts cut at TOKENS tokens,
+    into a fresh dataset named by ``rows``, ``backend`` and ``tag``."""
     from hsstore.extractors.runner import ExtractOptions, run_extract
     from tools.gpu_check_sglang import write_prompts
 
@@ -301,7 +318,7 @@ def phase_extract(
         ExtractOptions(
             model=model,
             data=str(long),
-            out=str(Path(work) / f"ds{rows}-{backend}"),
+            out=str(Path(work) / f"ds{rows}-{backend}{tag}"),
             backend=backend,
             device="cpu",
             dtype="bfloat16",
@@ -312,7 +329,41 @@ def phase_extract(
             progress=False,
         )
     )
-    return {"wall_s": time.perf_counter() - t0, "tokens": summary["tokens_written"]}
+    tokens = summary["tokens_written"]
+    engine_rate = summary["extract_tokens_per_s"]  # tokens over the time spent in backend.run
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "tokens": tokens,
+        "engine_s": tokens / engine_rate if engine_rate else 0.0,
+    }
+
+
+def extraction_round(
+    model: str, work: Path, r: int, extra_batches: int, vocab: int
+) -> dict[str, Any]:
+    """One round: the plain forward, then the extractions of FEW prompts and of more; the
+    extra prompts' tokens/s against the forward's, and where the extra wall time went."""
+    plain = phase(f"plain_{r}", phase_plain, model, extra_batches, vocab)
+    rows, tag = extra_batches * BATCH + FEW, f"-{r}"
+    few = phase(f"extract_few_{r}", phase_extract, model, str(work), FEW, "sglang", 16384, tag)
+    many = phase(f"extract_many_{r}", phase_extract, model, str(work), rows, "sglang", 16384, tag)
+    tokens = many["tokens"] - few["tokens"]
+    wall, engine = many["wall_s"] - few["wall_s"], many["engine_s"] - few["engine_s"]
+    plain_tps = plain["tokens"] / plain["wall_s"]
+    extract_tps = tokens / max(wall, 1e-3)
+    forward_us = 1e6 / plain_tps
+    return {
+        "plain": plain,
+        "few": few,
+        "many": many,
+        "plain_tokens_s": plain_tps,
+        "extract_tokens_s": extract_tps,
+        "ratio": extract_tps / plain_tps,
+        "wall_us": wall / tokens * 1e6,
+        "forward_us": forward_us,
+        "in_engine_us": engine / tokens * 1e6 - forward_us,
+        "outside_us": (wall - engine) / tokens * 1e6,
+    }
 
 
 def _child(queue: Any, fn: Any, args: tuple) -> None:
@@ -351,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=7)
     parser.add_argument("--list-batches", type=int, default=1)
     parser.add_argument("--extract-rows", type=int, default=18)
+    parser.add_argument("--rounds", type=int, default=3, help="plain/extraction rounds")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -366,16 +418,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     report["capture"] = phase("capture", phase_backend, model, "shm", args.batches, vocab)
     report["lists"] = phase("lists", phase_backend, model, "lists", args.list_batches, vocab)
-    # the plain forward on both sides of the extractions, as many batches as they differ by
-    before = phase("plain_before", phase_plain, model, extra_batches, vocab)
-    few = phase("extract_few", phase_extract, model, str(work), FEW)
-    many = phase("extract_many", phase_extract, model, str(work), args.extract_rows)
-    after = phase("plain_after", phase_plain, model, extra_batches, vocab)
-    report["plain"] = {"before": before, "after": after}
-    report["extract"] = {"few": few, "many": many}
+    # each round: the plain forward (as many batches as the extractions differ by), then both
+    report["rounds"] = [
+        extraction_round(model, work, r, extra_batches, vocab) for r in range(args.rounds)
+    ]
     print(json.dumps(report, indent=2))
 
-    plain_tps = sum(r["tokens"] / r["wall_s"] for r in (before, after)) / 2
+    rounds = sorted(report["rounds"], key=lambda r: r["ratio"])
+    mid = rounds[len(rounds) // 2]
+    plain_tps, extract_tps = mid["plain_tokens_s"], mid["extract_tokens_s"]
     cap, lst = report["capture"], report["lists"]
     cap_bytes = cap["state_bytes_per_sample"] * cap["tokens"] / TOKENS
     # the hook's copy and the worker's check, each on one thread: CPU seconds, so a machine
@@ -384,14 +435,19 @@ def main(argv: list[str] | None = None) -> int:
     capture_gb_s = cap_bytes / host_s / 1e9
     list_bytes = lst["state_bytes_per_sample"] * lst["tokens"] / TOKENS
     list_gb_s = list_bytes / max(lst["cpu_diff_s"], 1e-9) / 1e9
-    extra_tokens = many["tokens"] - few["tokens"]
-    extract_tps = extra_tokens / max(many["wall_s"] - few["wall_s"], 1e-3)
     wall_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]
+    capture_wall_us = cap["wall_diff_s"] / cap["tokens"] * 1e6
+    print(
+        f"wall_us={mid['wall_us']:.0f} forward_us={mid['forward_us']:.0f}"
+        f" in_engine_us={mid['in_engine_us']:.0f} capture_us={capture_wall_us:.0f}"
+        f" outside_us={mid['outside_us']:.0f}"
+        f" round_ratios={','.join(format(r['ratio'], '.2f') for r in report['rounds'])}"
+    )
     print(
         f"plain_tokens_s={plain_tps:.0f} extract_tokens_s={extract_tps:.0f}"
         f" list_gb_s={list_gb_s:.4f} capture_wall_gb_s={cap_bytes / wall_s / 1e9:.2f}"
         f" capture_cpu_diff_us_per_token={cap['cpu_diff_s'] / cap['tokens'] * 1e6:.1f}"
-        f" capture_wall_diff_us_per_token={cap['wall_diff_s'] / cap['tokens'] * 1e6:.1f}"
+        f" capture_wall_diff_us_per_token={capture_wall_us:.1f}"
         f" state_kib_per_token={cap['state_bytes_per_sample'] / TOKENS / 1024:.1f}"
     )
     memory = cap["memory_added_per_sample"] / cap["state_bytes_per_sample"]
