@@ -262,6 +262,39 @@ def test_a_commit_sharing_an_id_with_the_version_that_beat_its_create_leaves_no_
     s.close()
 
 
+def test_a_writer_that_saw_other_writers_versions_joins_a_group_without_racing_alone(tmp_path):
+    """Others published since A last looked: A leaves its intent before any create (and, alone
+    in the group, leads it); once a commit of A's saw nobody else publish, A creates its next
+    version directly."""
+    path = tmp_path / "ds"
+    _create(path)
+    calls: list[tuple[str, str]] = []
+
+    def record(call: Call) -> None:
+        if call.verb in ("put", "put_if_absent") and call.key.startswith(paths.MANIFESTS):
+            calls.append((call.verb, call.key))
+
+    wa = hsstore.open(FaultyStorage(open_storage(str(path)), record)).writer(encode_threads=1)
+    with hsstore.open(path).writer(encode_threads=1) as wc:  # C takes version 2
+        wc.add("c", *random_sample(4, 2, H, seed=3))
+    wa.add("a", *random_sample(4, 2, H, seed=1))
+    assert wa.commit().version == 3
+    creates = [key for verb, key in calls if verb == "put_if_absent" and "/v" in key]
+    intent_puts = [i for i, (verb, key) in enumerate(calls) if key.startswith(paths.INTENTS)]
+    assert creates == [paths.manifest_key(3)]  # no create of version 2 lost to C
+    assert len(intent_puts) == 1 and intent_puts[0] < calls.index(("put_if_absent", creates[0]))
+    v3 = _delta(path, 3)
+    assert v3.get("group", []) == [] and v3["commit"].startswith(wa.leases.owner)
+    for version, seed, intents in ((4, 2, ["put"]), (5, 4, [])):
+        calls.clear()
+        wa.add(f"a{version}", *random_sample(4, 2, H, seed=seed))
+        assert wa.commit().version == version
+        assert [verb for verb, key in calls if key.startswith(paths.INTENTS)] == intents
+    assert _intents(path) == {}
+    _assert_holds(path, {"c": 3, "a": 1, "a4": 2, "a5": 4})
+    wa.close()
+
+
 def test_an_intent_whose_segment_gc_condemned_is_never_published(tmp_path):
     s = _Scene(tmp_path / "ds", a=(("a", 1), ("a2", 4)), lease_ttl_s=0.2)
     token_a, intent_a = s.a_waits(heartbeat=True)  # A stopped whole: its lease lapses

@@ -1,7 +1,8 @@
 """Group commit: writers that race for the same version publish together.
 
-A writer first creates the next version alone (`commit.publish`). One that loses that race
-leaves its delta as an intent (`hsstore.commits.intents`) and waits: the writer with the
+A writer first creates the next version alone (`commit.publish`), unless other writers
+published since it last looked. One that loses that race, or sees others racing, leaves its
+delta as an intent (`hsstore.commits.intents`) and waits: the writer with the
 smallest waiting token leads, publishing every intent it can in one version whose ``group``
 lists their tokens, and the others recognise their token there. So versions, and every
 writer's reads of them, grow with the number of groups rather than of commits. Leading is only
@@ -59,7 +60,8 @@ KEPT_DELTAS = 4096
 
 
 class _Contended(Exception):
-    """The direct create lost its race; ``latest`` is what the commit was checked against."""
+    """The direct create lost its race, or others published since this writer's last commit;
+    ``latest`` is what the commit was checked against."""
 
     def __init__(self, latest: Manifest):
         super().__init__()
@@ -89,7 +91,12 @@ class GroupCommit:
 
     storage: Storage
     resolve_s: float | None = None
+    # Whether commits are racing: then the next one joins a group at once rather than first
+    # losing a create of its own.
     _contended: bool = False
+    # Whether the versions read during this commit hold other writers' commits.
+    _others_seen: bool = False
+    _token: str | None = None
     _deltas: dict[int, Delta] = field(default_factory=dict)
     _intents: dict[str, Delta] = field(default_factory=dict)
     # The id hashes each kept version added (None: it added segments without a digest).
@@ -118,6 +125,7 @@ class GroupCommit:
         own condemned). Held for this call only (a writer need not outlive its helpers).
         """
         self._check_own, self._writer_claims = check_own, claims
+        self._token, self._others_seen = mine.commit, False
         try:
             return self._commit(mine, base)
         finally:
@@ -133,7 +141,7 @@ class GroupCommit:
                     return self._publish(replace(mine, version=base.version + 1), base, group=False)
                 except _Contended as lost:
                     latest = lost.latest
-            else:  # the last commit went in a group: join one at once
+            else:  # commits race: join a group at once
                 latest, landed = self._catch_up(base, token, check_newest=False)
                 if landed:  # an earlier call's create whose outcome was not known
                     return latest
@@ -219,8 +227,10 @@ class GroupCommit:
         chosen: list[Delta] = []
 
         def build_next(latest: Manifest) -> Manifest:
-            if chosen and not group:
-                raise _Contended(latest)  # the direct create lost: join a group
+            if not group and (chosen or self._others_seen):
+                # The direct create lost, or others published since this writer last looked:
+                # writers race, and a version of one commit each would only delay the group.
+                raise _Contended(latest)
             assert self._check_own is not None
             self._check_own(latest)
             chosen[:] = [mine, *self._others(mine, latest)] if group else [mine]
@@ -250,9 +260,9 @@ class GroupCommit:
         head = published.head_delta
         if head is not None:
             self._keep(head)
-            # Whether commits are racing: then the next one joins a group without first
-            # losing a create of its own (a group of one leaves this again).
-            self._contended = bool(head.group)
+            # Commits race when this version is a group or others published since this
+            # writer's last commit; a lone writer's group of one leaves this again.
+            self._contended = bool(head.group) or self._others_seen
             if head.commit == token and group:
                 # Done with: best effort (the next leader drops any left, as published).
                 self._io(lambda t: intents.drop(self.storage, t), [token, *head.group])
@@ -337,6 +347,8 @@ class GroupCommit:
         return catch_up(self.storage, latest, token, self._claims, check_newest=check_newest)
 
     def _claims(self, delta: Delta) -> None:
+        if self._token is None or not delta.carries(self._token):
+            self._others_seen = True
         if self._writer_claims is not None:
             self._writer_claims(delta)
         self._keep(delta)
