@@ -16,10 +16,11 @@ time: on a CPU engine every CPU-second of storing is one the forward waits for.
 
 The last line is machine-readable (``--json``: one JSON object instead): microseconds of CPU per
 token in all and by stage, then ``encode_share`` (of the total; zstd's own entropy coding is most
-of encoding), ``gc_included`` (Python's cycle collections, counted in the stages too) and the
-wall time per token:
+of encoding), ``gc_included`` (Python's cycle collections, counted in the stages too), the
+wall time per token, and the wall time of the run's last commit (the one that closes the
+segment: its files made durable, then the version published):
     cpu_us_per_token=... check=... checksum=... fill=... stats=... encode=... write=... commit=...
-    other=... encode_share=... gc_included=... wall_us_per_token=...
+    other=... encode_share=... gc_included=... wall_us_per_token=... last_commit_ms=...
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ def run(samples: int, tokens: int, hidden: int, layers: int, commit_every: int) 
                 w.add(f"s{i}", ids, mask, states)
                 if (i + 1) % commit_every == 0:
                     w.commit()
+            last = time.perf_counter()
             w.commit()
-            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            end = time.perf_counter()
+            cpu, wall, last = time.process_time() - cpu0, end - wall0, end - last
             gc.callbacks.remove(clock.gc_callback)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -150,6 +153,7 @@ def run(samples: int, tokens: int, hidden: int, layers: int, commit_every: int) 
     result["encode_share"] = result["encode"] / result["cpu_us_per_token"]
     result["gc_included"] = 1e6 * clock.gc_seconds / n
     result["wall_us_per_token"] = 1e6 * wall / n
+    result["last_commit_ms"] = 1e3 * last
     return result
 
 

@@ -112,6 +112,7 @@ class SegmentWriter:
     _rows_in_buffer: int = 0
     _shards_written: int = 0
     _files: dict[str, FileInfo] = field(default_factory=dict)
+    _synced: set[str] = field(default_factory=set)  # files made durable before finalize
     _samples: list[_PendingSample] = field(default_factory=list)
     _input_ids: list[np.ndarray] = field(default_factory=list)
     _loss_masks: list[np.ndarray] = field(default_factory=list)
@@ -236,7 +237,7 @@ class SegmentWriter:
         if self.manifest.scaled:
             self._scales.append(np.zeros((pad, *self._scales[-1].shape[1:]), np.float32))
         if self._rows_in_buffer == self.flusher.shape[0]:
-            self._flush_shard()
+            self._flush_shard(last=False)
 
     def _append_rows(self, hidden: np.ndarray) -> None:
         t, done = hidden.shape[0], 0
@@ -259,7 +260,7 @@ class SegmentWriter:
             self._rows_in_buffer += n
             done += n
             if self._rows_in_buffer == cap:
-                self._flush_shard()
+                self._flush_shard(last=False)
         self.rows += t
 
     def _sampled_slot(self, done: int, n: int) -> tuple[np.ndarray | None, int, int]:
@@ -277,7 +278,11 @@ class SegmentWriter:
         self._picked += count
         return floats[self._picked - count : self._picked], first, self._stats.sample_every
 
-    def _flush_shard(self) -> None:
+    def _flush_shard(self, *, last: bool) -> None:
+        """Hand the shard buffer to the background. A shard with more to come in its segment
+        is made durable there as soon as it is written, so that the page cache never holds
+        more than a shard of the segment's data unwritten and its finalize (inside a commit)
+        waits for the disk to take the last shard only, not the whole segment."""
         floats = self._floats[self._floats_at]
         if floats is None and self._widens:  # no sampled row yet: none to take
             floats = np.empty((0, *self.flusher.shape[1:]), np.float32)
@@ -288,6 +293,7 @@ class SegmentWriter:
             self._real_rows(),
             self._rowmax,
             None if floats is None else floats[: self._picked],
+            durable=not last,
         )
         # Once submitted, the shard before it is written: its float buffer is free.
         self.flusher.submit(job)
@@ -319,6 +325,8 @@ class SegmentWriter:
         rowmax: np.ndarray | None,
         sampled: np.ndarray | None,
         buffer: np.ndarray,
+        *,
+        durable: bool,
     ) -> None:
         """Record the statistics of one shard's rows (``rowmax``: their magnitudes, and
         ``sampled``: the floats of the rows they sample, where taken as they were copied in),
@@ -357,7 +365,11 @@ class SegmentWriter:
         )
         relpath = paths.shard_relpath(shard)
         blobs = [p for parts in encoded for p in parts] + index.encode()
-        size = self.storage.write_file(paths.segment_file(self.segment_id, relpath), blobs)
+        key = paths.segment_file(self.segment_id, relpath)
+        size = self.storage.write_file(key, blobs)
+        if durable:
+            self.storage.sync([key])
+            self._synced.add(relpath)
         self._files[relpath] = FileInfo(size)
         self.bytes_written += size
 
@@ -366,7 +378,7 @@ class SegmentWriter:
         if not self._samples:
             raise FormatError("cannot finalize an empty segment")
         if self._rows_in_buffer:
-            self._flush_shard()
+            self._flush_shard(last=True)
         self.flusher.wait()
         if not self.manifest.scaled:
             self._count_flags()
@@ -406,7 +418,8 @@ class SegmentWriter:
             self.bytes_written += len(data)
         copy = paths.segment_file(self.segment_id, paths.INDEX_COPY)
         self.storage.write_file(copy, [small[paths.INDEX]])
-        self.storage.sync([copy, *(paths.segment_file(self.segment_id, r) for r in self._files)])
+        unsynced = [r for r in self._files if r not in self._synced]
+        self.storage.sync([copy, *(paths.segment_file(self.segment_id, r) for r in unsynced)])
         return SegmentInfo(
             id=self.segment_id,
             num_samples=len(self._samples),
