@@ -13,7 +13,10 @@ Each phase runs its engine in its own process (one engine per process):
 3. ``plain``: the engine with no aux capture and no hook, its forward alone, run before and
    after the extractions;
 4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the wall
-   difference over the extra prompts' tokens, so engine start-up is not counted.
+   difference over the extra prompts' tokens, so engine start-up is not counted;
+5. ``writer``: batches through the backend in blocks of four, alternately handed to a writer
+   thread as ``hsstore extract`` does and dropped, in one engine: what the writer running
+   beside the forward costs it.
 
 Phases 3 and 4 alternate over ``--rounds`` rounds (the plain forward, then the two
 extractions): a shared machine's pace drifts by 10% and more between processes a minute apart,
@@ -43,9 +46,9 @@ differences per token in CPU and in wall time (the latter need an idle machine).
 before that splits the median round's extraction, in microseconds per extra token: ``wall``
 = ``forward`` (the plain forward's pace) + ``in_engine`` (the rest of the time the worker
 waited on the engine: the capture's hook and receipt, which the paired phase measures as
-``capture``, the engine's aux capture, and the forward's share of the cores that the writer
-thread takes) + ``outside`` (tokenising, the writer's tail and last commit); and every
-round's ratio.
+``capture``, the forward's share of the cores that the writer thread takes, which phase 5
+measures as ``writer``, and the engine's own aux capture) + ``outside`` (tokenising, the
+writer's tail and last commit); and every round's ratio.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ LAYER_SPEC = "1,2,3,final"
 TOKENS = 512
 BATCH = 2
 FEW = 2  # prompts of the shorter extraction; the longer one's extra prompts are what counts
+WRITER_BLOCK = 4  # batches written, then as many dropped, in the writer phase
 
 
 def build_model(out: Path) -> Path:
@@ -250,6 +254,58 @@ def phase_backend(model: str, capture: str, batches: int, vocab: int) -> dict[st
         backend.close()
 
 
+def phase_writer(model: str, work: str, blocks: int, vocab: int) -> dict[str, Any]:
+    """Batches through hsstore's backend in blocks of WRITER_BLOCK, alternately handed to a
+    writer thread as ``hsstore extract`` does (writing into a dataset, committing as it does)
+    and dropped, in one engine: the difference of the median batch times is what the writer
+    costs the forward it runs beside. The first batch of each block, which the block before
+    it still overlaps, is left out."""
+    import uuid
+    import warnings
+
+    import torch
+
+    import hsstore
+    from hsstore.extractors.backends.sglang.backend import SGLangBackend
+    from hsstore.extractors.layer_select import parse_layers
+    from hsstore.extractors.options import ExtractOptions
+    from hsstore.extractors.writer_thread import WriterThread
+
+    layers = parse_layers(LAYER_SPEC, LAYERS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        backend = SGLangBackend(model, layers, dtype="bfloat16", device="cpu")
+    defaults = ExtractOptions(model=model, data="", out="")
+    try:
+        ds = hsstore.create(Path(work) / f"writer-{uuid.uuid4().hex[:8]}", layers=layers,
+                            hidden_size=backend.hidden_size, dtype=torch.bfloat16)  # fmt: skip
+        writer = WriterThread(
+            ds, commit_every=defaults.commit_every, commit_seconds=defaults.commit_seconds
+        ).start()
+        data = prompts(BATCH * (2 * blocks * WRITER_BLOCK + 1), vocab)
+        backend.run(data[:BATCH])
+        times: dict[str, list[float]] = {"write": [], "drop": []}
+        for b in range(2 * blocks * WRITER_BLOCK):
+            arm = "write" if (b // WRITER_BLOCK) % 2 == 0 else "drop"
+            batch = data[(b + 1) * BATCH : (b + 2) * BATCH]
+            t0 = time.perf_counter()
+            states = backend.run(batch)
+            if b % WRITER_BLOCK:
+                times[arm].append(time.perf_counter() - t0)
+            if arm == "write":
+                writer.put(list(zip(batch, states)))
+            del states
+        writer.finish()
+    finally:
+        backend.close()
+    return {
+        "tokens_per_batch": BATCH * TOKENS,
+        "write_batch_s": _median(times["write"]),
+        "drop_batch_s": _median(times["drop"]),
+        "times": times,
+    }
+
+
 def paired_capture(backend: Any, data: list[Any], batches: int, plain: Any) -> dict[str, Any]:
     """``batches`` batches of ``data`` (after its first) through ``backend.run``, each paired
     with ``plain(batch)``, the same prompts under request ids the capture ignores, in the same
@@ -403,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list-batches", type=int, default=1)
     parser.add_argument("--extract-rows", type=int, default=18)
     parser.add_argument("--rounds", type=int, default=3, help="plain/extraction rounds")
+    parser.add_argument("--writer-blocks", type=int, default=2, help="writer phase's blocks")
     parser.add_argument("--out", help="working directory (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -418,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {}
     report["capture"] = phase("capture", phase_backend, model, "shm", args.batches, vocab)
     report["lists"] = phase("lists", phase_backend, model, "lists", args.list_batches, vocab)
+    report["writer"] = phase("writer", phase_writer, model, str(work), args.writer_blocks, vocab)
     # each round: the plain forward (as many batches as the extractions differ by), then both
     report["rounds"] = [
         extraction_round(model, work, r, extra_batches, vocab) for r in range(args.rounds)
@@ -437,9 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     list_gb_s = list_bytes / max(lst["cpu_diff_s"], 1e-9) / 1e9
     wall_s = cap["stats"]["write_s"] + cap["stats"]["read_s"]
     capture_wall_us = cap["wall_diff_s"] / cap["tokens"] * 1e6
+    wr = report["writer"]
+    writer_us = (wr["write_batch_s"] - wr["drop_batch_s"]) / wr["tokens_per_batch"] * 1e6
     print(
         f"wall_us={mid['wall_us']:.0f} forward_us={mid['forward_us']:.0f}"
         f" in_engine_us={mid['in_engine_us']:.0f} capture_us={capture_wall_us:.0f}"
+        f" writer_us={writer_us:.0f}"
         f" outside_us={mid['outside_us']:.0f}"
         f" round_ratios={','.join(format(r['ratio'], '.2f') for r in report['rounds'])}"
     )
