@@ -120,6 +120,9 @@ def test_two_workers_store_every_sample(setup, reference):
     assert summary["workers"] == 2
     assert 0.0 <= summary["writer_busy_share"] <= 1.0
     assert summary["tokens_per_s"] > 0 and summary["extract_tokens_per_s"] > 0
+    # start-up left out of both, each within the run
+    assert 0.0 < summary["tokenize_s"] < summary["seconds"]
+    assert 0.0 < summary["batches_s"] < summary["seconds"]
     ds = hsstore.open(out)
     assert len(ds) == N_ROWS - 1
     assert ds.num_tokens == summary["tokens_written"]

@@ -12,8 +12,11 @@ Each phase runs its engine in its own process (one engine per process):
 2. ``lists``: the backend's list fallback (``return_hidden_states``), paired the same way;
 3. ``plain``: the engine with no aux capture and no hook, its forward alone, run before and
    after the extractions;
-4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the wall
-   difference over the extra prompts' tokens, so engine start-up is not counted;
+4. ``hsstore extract --backend sglang`` on 2 and on ``--extract-rows`` prompts: the extra
+   prompts' tokens over the difference of the two runs' work (their summaries' ``tokenize_s``
+   plus ``batches_s``: tokenising, and the batches through the engine to the last commit), so
+   engine start-up, which swings by seconds from run to run, is not counted (the ratio of the
+   whole runs' wall times is printed too);
 5. ``writer``: batches through the backend in blocks of four, alternately handed to a writer
    thread as ``hsstore extract`` does and dropped, in one engine: what the writer running
    beside the forward costs it.
@@ -48,7 +51,8 @@ before that splits the median round's extraction, in microseconds per extra toke
 waited on the engine: the capture's hook and receipt, which the paired phase measures as
 ``capture``, the forward's share of the cores that the writer thread takes, which phase 5
 measures as ``writer``, and the engine's own aux capture) + ``outside`` (tokenising, the
-writer's tail and last commit); and every round's ratio.
+writer's tail and last commit); every round's ratio; and every round's ratio from the whole
+runs' wall times.
 """
 
 from __future__ import annotations
@@ -391,6 +395,8 @@ def phase_extract(
         "wall_s": time.perf_counter() - t0,
         "tokens": tokens,
         "engine_s": tokens / engine_rate if engine_rate else 0.0,
+        # the run without its start-up: tokenising, and the batches to the last commit
+        "work_s": summary["tokenize_s"] + summary["batches_s"],
     }
 
 
@@ -404,7 +410,9 @@ def extraction_round(
     few = phase(f"extract_few_{r}", phase_extract, model, str(work), FEW, "sglang", 16384, tag)
     many = phase(f"extract_many_{r}", phase_extract, model, str(work), rows, "sglang", 16384, tag)
     tokens = many["tokens"] - few["tokens"]
-    wall, engine = many["wall_s"] - few["wall_s"], many["engine_s"] - few["engine_s"]
+    # The extractions' work, start-up left out: the engine's start swings by seconds from
+    # run to run, more than the extra prompts' whole difference in wall time.
+    wall, engine = many["work_s"] - few["work_s"], many["engine_s"] - few["engine_s"]
     plain_tps = plain["tokens"] / plain["wall_s"]
     extract_tps = tokens / max(wall, 1e-3)
     forward_us = 1e6 / plain_tps
@@ -419,6 +427,7 @@ def extraction_round(
         "forward_us": forward_us,
         "in_engine_us": engine / tokens * 1e6 - forward_us,
         "outside_us": (wall - engine) / tokens * 1e6,
+        "wall_ratio": tokens / max(many["wall_s"] - few["wall_s"], 1e-3) / plain_tps,
     }
 
 
@@ -503,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         f" writer_us={writer_us:.0f}"
         f" outside_us={mid['outside_us']:.0f}"
         f" round_ratios={','.join(format(r['ratio'], '.2f') for r in report['rounds'])}"
+        f" whole_run_ratios={','.join(format(r['wall_ratio'], '.2f') for r in report['rounds'])}"
     )
     print(
         f"plain_tokens_s={plain_tps:.0f} extract_tokens_s={extract_tps:.0f}"

@@ -487,4 +487,7 @@ def _summary(
         "extract_tokens_per_s": model_rate,
         "writer_busy_share": busy / worker_wall if worker_wall > 0 else 0.0,
         "writer_stall_s": sum(r["writer_stall_s"] for r in results),
+        # start-up left out: tokenising, then the batches through the engine to the last commit
+        "tokenize_s": max((r["tokenize_s"] for r in results), default=0.0),
+        "batches_s": max((r["batches_s"] for r in results), default=0.0),
     }

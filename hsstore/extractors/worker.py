@@ -179,7 +179,9 @@ def _extract(
     t_start = time.perf_counter()
     if tokenizer is None:
         tokenizer = load_tokenizer(opts.model, trust_remote_code=opts.trust_remote_code)
+    t_tokenize = time.perf_counter()
     samples, skipped = tokenize_rows(spec, tokenizer)
+    tokenize_s = time.perf_counter() - t_tokenize
     ds = hsstore.open(opts.out)
     already = {p.sample_id for p in samples if p.sample_id in ds}
     todo = [p for p in samples if p.sample_id not in already]
@@ -221,6 +223,7 @@ def _extract(
     if backend is not None:
         backends.append(backend)
     extract_s = 0.0
+    t_batches = time.perf_counter()  # the engine is up: from here on, the per-token work
     failed: BaseException | None = None
     writer.start()
     try:
@@ -235,6 +238,7 @@ def _extract(
     except BaseException as exc:  # keep what was already handed over, then fail
         failed = exc
     stats = writer.finish()  # commits every complete sample it was given
+    batches_s = time.perf_counter() - t_batches
     if failed is not None:
         raise failed
     wall = time.perf_counter() - t_start
@@ -248,6 +252,8 @@ def _extract(
         "commits": stats.commits,
         "wall_s": wall,
         "extract_s": extract_s,
+        "tokenize_s": tokenize_s,
+        "batches_s": batches_s,
         "writer_busy_s": stats.busy_s,
         "writer_stall_s": stats.stall_s,
     }
