@@ -58,21 +58,20 @@ runs' wall times.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere (spawned phases run this again)
+
+from tools.process_meter import PeakMemory, cpu_s, phase, process_tree  # noqa: E402
 
 HIDDEN = 7168
 LAYERS = 4
@@ -127,62 +126,6 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[Any]:
         ids = torch.randint(3, vocab, (TOKENS,), generator=g, dtype=torch.int64)
         out.append(TokenizedPrompt(f"b{i}", i, ids, torch.ones_like(ids), "bench", False))
     return out
-
-
-def _tree() -> list[Any]:
-    import psutil
-
-    me = psutil.Process()
-    return [me, *me.children(recursive=True)]
-
-
-def cpu_s(procs: list[Any]) -> float:
-    """CPU seconds used so far by ``procs`` (this process and the engine's)."""
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(OSError):
-            t = p.cpu_times()
-            total += t.user + t.system
-    return total
-
-
-class PeakMemory:
-    """Peak private memory (RssAnon) of ``procs``, sampled every 5 ms, and of the shared memory
-    a capture directory holds (each page once, however many processes map it)."""
-
-    def __init__(self, procs: list[Any], capture_dir: str | None):
-        self.procs, self.capture_dir = procs, capture_dir
-        self.anon = self.shared = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        anon = 0
-        for p in self.procs:
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        anon += int(line.split()[1]) * 1024
-        shared = 0
-        if self.capture_dir:
-            for entry in os.scandir(self.capture_dir):
-                with contextlib.suppress(OSError):  # a slot renamed while scanning
-                    shared += entry.stat().st_blocks * 512
-        self.anon, self.shared = max(self.anon, anon), max(self.shared, shared)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(0.005)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
 
 
 def _engine_args(model: str) -> dict[str, Any]:
@@ -318,7 +261,7 @@ def paired_capture(backend: Any, data: list[Any], batches: int, plain: Any) -> d
     state_bytes = sum(s.numel() * s.element_size() for s in states) // len(states)
     del states
     backend.capture_stats.clear()
-    procs = _tree()
+    procs = process_tree()
     walls, cpus, anons, shared = [], [], [], 0
     for b in range(1, batches + 1):
         batch = data[b * BATCH : (b + 1) * BATCH]
@@ -429,37 +372,6 @@ def extraction_round(
         "outside_us": (wall - engine) / tokens * 1e6,
         "wall_ratio": tokens / max(many["wall_s"] - few["wall_s"], 1e-3) / plain_tps,
     }
-
-
-def _child(queue: Any, fn: Any, args: tuple) -> None:
-    queue.put(fn(*args))
-
-
-def phase(name: str, fn: Any, *fn_args: Any) -> dict[str, Any]:
-    """``fn(*fn_args)`` in a fresh process, its result printed as it comes (a long run shows
-    where it is)."""
-    result = _in_process(fn, *fn_args)
-    print(json.dumps({name: result}), flush=True)
-    return result
-
-
-def _in_process(fn, *args) -> dict[str, Any]:
-    """``fn(*args)`` in a fresh process (not a daemon: SGLang starts children of its own)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn, args))
-    proc.start()
-    import queue as queues
-
-    try:
-        while True:
-            try:
-                return queue.get(timeout=5)
-            except queues.Empty:
-                if not proc.is_alive():
-                    raise RuntimeError(f"{fn.__name__} died (exit code {proc.exitcode})") from None
-    finally:
-        proc.join()
 
 
 def main(argv: list[str] | None = None) -> int:

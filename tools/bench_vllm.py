@@ -48,10 +48,10 @@ from tools.bench_sglang import (  # noqa: E402
     TOKENS,
     build_model,
     paired_capture,
-    phase,
     phase_extract,
     prompts,
 )
+from tools.process_meter import phase  # noqa: E402
 
 ENV = {
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
