@@ -19,6 +19,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import lease
 from hsstore.errors import CommitUnknownError, HsstoreError, SegmentRemovedError
 from hsstore.spec import paths
 from hsstore.storage.locations import open_storage
@@ -98,10 +99,15 @@ def test_a_resent_segment_or_lease_create_is_not_a_412_failure(location, key):
 
 # -- 2: a paused writer -----------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["before_create", "inside_last_lease_write"])
-def test_a_writer_paused_past_its_ttl_while_gc_runs_publishes_nothing_and_says_so(location, where):
+def test_a_writer_paused_past_its_ttl_while_gc_runs_publishes_nothing_and_says_so(
+    location, where, monkeypatch
+):
     """The whole writer stops (its heartbeat too) after its last check; gc judges the segment
     dead, condemns it in a version and deletes it. The writer resumes, reads gc's version while
     resolving its create, and refuses, naming the sample: the dataset stays openable."""
+    # A lease written moments before the publish is not written again then: with no share
+    # counted as fresh, the commit's lease write is always there to pause in.
+    monkeypatch.setattr(lease, "FRESH_SHARE", 0.0)
     _make(location)
     release, reached = threading.Event(), threading.Event()
     stop = Fault("pause", release=release, reached=reached)

@@ -14,7 +14,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
-from hsstore.commits import commit
+from hsstore.commits import commit, lease
 from hsstore.dataset.writer import Writer
 from hsstore.errors import SegmentRemovedError
 from hsstore.spec import paths
@@ -162,3 +162,33 @@ def test_gc_leaves_young_temp_files_alone(tmp_path):
     report = hsstore.gc(str(root), grace_s=60)
     assert report.removed_files == ["manifests/.tmp-old"]
     assert young.exists() and not old.exists()
+
+
+def test_a_lone_commit_writes_its_lease_and_the_hint_once_each(tmp_path, monkeypatch):
+    """A commit right after its sample was written: the lease is created and deleted, not
+    written again before the publish (it is moments old), and the hint is written once,
+    without being read again (the catch-up read it). A lease older than its fresh share of
+    the ttl is written again before the publish."""
+    root = str(tmp_path / "ds")
+    _make(root)
+    calls: list[tuple[str, str]] = []
+
+    def record(call) -> None:
+        calls.append((call.verb, call.key))
+
+    def commit_one(w: Writer, sample_id: str) -> tuple[list[str], list[str]]:
+        w.add(sample_id, *random_sample(10, 2, 32))
+        calls.clear()
+        w.commit()
+        lease = [verb for verb, key in calls if key.endswith(paths.WRITING_LOCK)]
+        hint = [verb for verb, key in calls if key == paths.LATEST_HINT]
+        return lease, hint
+
+    w = hsstore.open(FaultyStorage(open_storage(root), record)).writer(lease_ttl_s=60)
+    # The lease was created by add(); it is deleted once the commit is published.
+    assert commit_one(w, "a") == (["delete"], ["read_bytes", "put"])
+    monkeypatch.setattr(lease, "FRESH_SHARE", 0.0)  # no lease counts as fresh
+    assert commit_one(w, "b") == (["put", "delete"], ["read_bytes", "put"])
+    w.close()
+    assert hsstore.open(root).sample_ids == ["a", "b"]
+    assert hsstore.open(root).manifest.version == 3

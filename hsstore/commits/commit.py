@@ -51,23 +51,21 @@ from hsstore.storage.store import TEMP_PREFIX, Storage
 CHECKPOINT_EVERY = 64
 
 
-def _announce(storage: Storage, published: Manifest) -> None:
+def _announce(storage: Storage, published: Manifest, *, hint_behind: bool = False) -> None:
     """Move the hint forward and write a due checkpoint; both are redundant (listing and the
     deltas hold the same facts), so a failure here never turns a published commit into an
-    error: the next commit or a later `write_checkpoint` catches up."""
+    error: the next commit or a later `write_checkpoint` catches up. ``hint_behind``: the
+    caller knows the hint names an older version (it read it on the way to this one)."""
     with contextlib.suppress(StorageError, OSError, FormatError):
-        _move_hint(storage, published)
+        _move_hint(storage, published, hint_behind=hint_behind)
 
 
-def _move_hint(storage: Storage, published: Manifest) -> None:
-    """Never back past what the hint names. A crash or race between the delete and the create
-    only leaves the hint behind the truth, which is always safe."""
-    current = announced_version(storage)
-    if current is None or current < published.version:
-        storage.delete(paths.LATEST_HINT)
-        storage.put_if_absent(
-            paths.LATEST_HINT, encode_hint(published.version, published.head_checksum)
-        )
+def _move_hint(storage: Storage, published: Manifest, *, hint_behind: bool) -> None:
+    """Never back past what the hint names when it is read. Racing writers, or a stalled
+    write landing late, can still leave the hint behind the truth, which is always safe: it
+    only tells readers where to start looking."""
+    if hint_behind or (announced_version(storage) or 0) < published.version:
+        storage.put(paths.LATEST_HINT, encode_hint(published.version, published.head_checksum))
     if published.version % CHECKPOINT_EVERY == 0:
         write_checkpoint(storage, published)
         # Checkpoints are redundant (the deltas hold the same facts): keep the newest two, so
@@ -180,7 +178,9 @@ def publish(
             published = load_document(data, where=storage.path_of(paths.manifest_key(version)))
             assert isinstance(published, Delta)
             man = latest.apply(published, where=storage.path_of(paths.manifest_key(version)))
-            _announce(storage, man)
+            # The catch-up that let this create happen found the hint at or below ``latest``
+            # (above it, with the next version absent, it refuses).
+            _announce(storage, man, hint_behind=True)
             return man
         if pending is None:
             deadline = time.monotonic() + wait

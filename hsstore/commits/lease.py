@@ -27,6 +27,10 @@ from hsstore.storage.store import ObjectInfo, Storage
 
 # A gap between refreshes this close to the ttl counts as a lapse (clock rates differ a little).
 LAPSE_MARGIN = 0.8
+# A lease written within this share of its ttl is not written again before a publish: it
+# outlives the create by most of its ttl either way (the heartbeat keeps less at times), and
+# for a small commit the write would be one of its few storage calls.
+FRESH_SHARE = 1 / 6
 
 
 def lease_key(segment_id: str) -> str:
@@ -111,10 +115,14 @@ class LeaseKeeper:
         """Refresh these leases synchronously (before a publish), so gc sees them live while
         the manifest's conditional create is in flight. Best effort: a failed refresh only
         makes gc's liveness judgement pessimistic, and the log still decides (a segment gc
-        condemned is never published)."""
+        condemned is never published). A lease written moments ago is left as it is."""
+        fresh = time.monotonic() - self.ttl_s * FRESH_SHARE
         for seg_id in segment_ids:
+            lease = self._leases[seg_id]
+            if lease.refreshed > fresh and not lease.lapsed:
+                continue
             with contextlib.suppress(HsstoreError, OSError):
-                self._leases[seg_id].refresh()
+                lease.refresh()
 
     def lapsed(self, segment_ids: list[str]) -> bool:
         """Whether gc may have judged any of these leases dead at some point (or now)."""
