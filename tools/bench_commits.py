@@ -82,9 +82,9 @@ class CountingStorage(FaultyStorage):
         self.counts: Counter[str] = Counter()
 
     def _run(self, verb: str, key: str, do: Any) -> Any:
-        result = super()._run(verb, key, do)
         kind = kind_of(verb, key)
-        self.counts[kind] += 1
+        self.counts[kind] += 1  # before the call: one that raises (a read of an absent
+        result = super()._run(verb, key, do)  # version, a waiting writer's poll) counts too
         if kind == "version_create" and result is False:
             self.counts["version_create_lost"] += 1
         return result
