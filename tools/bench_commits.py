@@ -14,8 +14,10 @@ duplicate-id check. After each run the dataset is opened and must hold every sam
     python tools/bench_commits.py --json                # one JSON document instead
 
 commits/s is every commit of the run over the time from the barrier to the last commit; p99
-over every commit's latency (add + commit). The line before the last holds the S3 figures
-(``s3_`` prefix); the last line, the local folder's:
+over every commit's latency (add + commit). Each N's line also gives the CPU per commit of the
+writers and of the S3 server (on the same machine), and the floor their sum puts under the
+mean latency on this machine's cores. The line before the last holds the S3 figures (``s3_``
+prefix); the last line, the local folder's:
 
     commits_per_s_1=80 commits_per_s_64=95 scaling=1.19 p99_ms_64=900 calls_per_commit_64=30
 """
