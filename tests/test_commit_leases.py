@@ -180,9 +180,9 @@ def test_a_lone_commit_writes_its_lease_and_the_hint_once_each(tmp_path, monkeyp
         w.add(sample_id, *random_sample(10, 2, 32))
         calls.clear()
         w.commit()
-        lease = [verb for verb, key in calls if key.endswith(paths.WRITING_LOCK)]
-        hint = [verb for verb, key in calls if key == paths.LATEST_HINT]
-        return lease, hint
+        lease_calls = [verb for verb, key in calls if key.endswith(paths.WRITING_LOCK)]
+        hint_calls = [verb for verb, key in calls if key == paths.LATEST_HINT]
+        return lease_calls, hint_calls
 
     w = hsstore.open(FaultyStorage(open_storage(root), record)).writer(lease_ttl_s=60)
     # The lease was created by add(); it is deleted once the commit is published.

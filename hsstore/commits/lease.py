@@ -28,8 +28,8 @@ from hsstore.storage.store import ObjectInfo, Storage
 # A gap between refreshes this close to the ttl counts as a lapse (clock rates differ a little).
 LAPSE_MARGIN = 0.8
 # A lease written within this share of its ttl is not written again before a publish: it
-# outlives the create by most of its ttl either way (the heartbeat keeps less at times), and
-# for a small commit the write would be one of its few storage calls.
+# still has at least 5/6 of its ttl to run, more than the heartbeat alone ever leaves it (2/3),
+# and for a small commit the write would be one of its twenty storage calls.
 FRESH_SHARE = 1 / 6
 
 
