@@ -192,3 +192,40 @@ def test_a_lone_commit_writes_its_lease_and_the_hint_once_each(tmp_path, monkeyp
     w.close()
     assert hsstore.open(root).sample_ids == ["a", "b"]
     assert hsstore.open(root).manifest.version == 3
+
+
+def test_a_stalled_heartbeat_write_holds_up_neither_a_commit_nor_the_next_lease(tmp_path):
+    """The storage stalls on the heartbeat's rewrite of a lease (a slow object store): the
+    writer still commits, drops that lease and leases its next segment meanwhile. When the
+    stalled write lands after the drop, the heartbeat deletes the lease again."""
+    root = str(tmp_path / "ds")
+    _make(root)
+    release, reached = threading.Event(), threading.Event()
+    armed = [False]
+    stall = at("put", paths.WRITING_LOCK, Fault("pause", release=release, reached=reached))
+    storage = FaultyStorage(open_storage(root), lambda call: stall(call) if armed[0] else None)
+    w = hsstore.open(storage).writer(lease_ttl_s=0.6)  # a heartbeat every 0.2 s
+    w.add("a", *random_sample(10, 2, 32))
+    (first,) = filter(paths.is_segment_id, storage.inner.list(paths.SEGMENTS))  # a's segment
+    armed[0] = True
+    assert reached.wait(10)  # the heartbeat's write is stalled
+    done = threading.Event()
+
+    def commit_and_go_on() -> None:
+        w.commit()
+        w.add("b", *random_sample(10, 2, 32))  # a new segment: a new lease
+        w.flush()
+        done.set()
+
+    t = threading.Thread(target=commit_and_go_on, daemon=True)
+    t.start()
+    assert done.wait(20), "the commit waited for the stalled heartbeat write"
+    assert hsstore.open(root).sample_ids == ["a"]
+    release.set()  # the stalled write lands, after the commit dropped its lease
+    deadline = time.monotonic() + 10
+    while storage.inner.exists(lease.lease_key(first)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not storage.inner.exists(lease.lease_key(first))
+    w.commit()
+    w.close()
+    assert hsstore.open(root).sample_ids == ["a", "b"]

@@ -50,6 +50,10 @@ class Lease:
     # acted on it is decided by the manifest log (gc condemns a segment in a version before it
     # deletes it, and a writer refuses to publish a condemned one; hsstore.commits.commit).
     lapsed: bool = False
+    # Set when its writer is done with it (committed, aborted, closed): the heartbeat writes it
+    # no more, and one write still in flight then is followed by a delete when ``deleted``.
+    dropped: bool = False
+    deleted: bool = False
 
     def _doc(self) -> bytes:
         return json.dumps(
@@ -82,6 +86,11 @@ class Lease:
 
     def release(self) -> None:
         self.storage.delete(lease_key(self.segment_id))
+
+    def drop(self, *, delete: bool) -> None:
+        self.dropped, self.deleted = True, delete
+        if delete:
+            self.release()
 
 
 class LeaseKeeper:
@@ -134,8 +143,8 @@ class LeaseKeeper:
         """Stop refreshing a lease; delete its object unless told to leave it to expire."""
         with self._lock:
             lease = self._leases.pop(segment_id, None)
-        if lease is not None and delete:
-            lease.release()
+        if lease is not None:
+            lease.drop(delete=delete)
 
     def release_all(self) -> None:
         """Stop the heartbeat and delete every held lease (the writer is done: close, or dropped
@@ -146,17 +155,26 @@ class LeaseKeeper:
             held, self._leases = list(self._leases.values()), {}
         for lease in held:
             with contextlib.suppress(HsstoreError, OSError):
-                lease.release()
+                lease.drop(delete=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
-            # Under the lock: a lease dropped (committed, aborted) is never written again.
             with self._lock:
-                for lease in list(self._leases.values()):
-                    try:
-                        lease.refresh()
-                    except Exception:  # noqa: BLE001 - a failed beat is retried on the next one
-                        continue
+                held = list(self._leases.values())
+            # Outside the lock: a write the storage stalls on (a slow object store) holds up
+            # neither a new segment's lease nor the drop of a committed one.
+            for lease in held:
+                if lease.dropped:
+                    continue
+                try:
+                    lease.refresh()
+                except Exception:  # noqa: BLE001 - a failed beat is retried on the next one
+                    continue
+                if lease.dropped and lease.deleted:
+                    # Dropped while this write was in flight, which may have landed after the
+                    # drop's delete: delete again (a lease left behind would only lapse).
+                    with contextlib.suppress(HsstoreError, OSError):
+                        lease.release()
 
     def close(self) -> None:
         self._stop.set()
