@@ -210,6 +210,32 @@ def _critical_nudges(doc: dict) -> Iterator[dict]:
                 yield mutated
 
 
+def _strict(rules: dict) -> Any:
+    """jsonschema's 2020-12 validator of ``rules``, with hsstore's strict integers (the oracle)."""
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    strict_ints = base.TYPE_CHECKER.redefine("integer", lambda _, x: type(x) is int)
+    return jsonschema.validators.extend(base, type_checker=strict_ints)(rules)
+
+
+def _assert_agrees(problem: tuple[str, str] | None, oracle: Any, doc: Any) -> None:
+    """The fast verdict is jsonschema's, and the path it names is one jsonschema names too."""
+    errors = list(oracle.iter_errors(doc))
+    assert (problem is None) == (not errors), (problem, [e.message for e in errors[:3]], doc)
+    if problem is not None:
+        paths = {"/".join(str(p) for p in e.absolute_path) for e in errors}
+        # jsonschema places the error of a false subschema at the value holding the member
+        # (JSON Schema places it at the member, as the fast path does).
+        parents = {
+            "/".join(str(p) for p in e.absolute_path)
+            for e in errors
+            if e.message.startswith("False schema does not allow")
+        }
+        held = problem[0] in paths or problem[0].rpartition("/")[0] in parents
+        assert held, (problem, paths)
+
+
 def _segment_entry() -> dict:
     files = {"index.parquet": {"size": 2505, "crc32c": 4000305987}, "states/c/0/0/0": {"size": 9}}
     return {"id": "a" * 32, "num_samples": 2, "num_tokens": 40, "num_shards": 1,
@@ -220,57 +246,172 @@ def _segment_entry() -> dict:
 @given(mutated=mutations(_segment_entry()))
 def test_fast_segment_check_agrees_with_the_schema(mutated):
     """The segment check is the schema's $defs/segment, rule for rule."""
-    import jsonschema
-
     from hsstore.spec import schema
 
     root = schema.schema()
-    rules = {**root["$defs"]["segment"], "$defs": root["$defs"]}
-    strict = jsonschema.validators.extend(
-        jsonschema.Draft202012Validator,
-        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-            "integer", lambda _, x: type(x) is int
-        ),
-    )(rules)
+    strict = _strict({**root["$defs"]["segment"], "$defs": root["$defs"]})
     assert schema._check_segment(_segment_entry()) is None
     assert (schema._check_segment(mutated) is None) == strict.is_valid(mutated), mutated
 
 
-# Rules the segment entry does not use today, so that a schema change using them is covered.
+# Every keyword the compiled rules implement, in more combinations than the manifest schema
+# uses today, so that a schema change using them is covered: a recursive definition, boolean
+# subschemas, and const/enum values that JSON Schema's equality tells apart from look-alikes.
 _OTHER_RULES = {
     "type": "object",
     "required": ["a"],
-    "maxProperties": 3,
+    "maxProperties": 4,
     "properties": {
         "a": {"type": ["number", "null"], "minimum": -1.5, "maximum": 7},
         "b": {"type": "boolean"},
-        "c": {"type": "array"},
+        "c": {"type": "array", "items": {"$ref": "#/$defs/nest"}, "minItems": 1, "maxItems": 2,
+              "uniqueItems": True},
         "d": {"pattern": "^x+$"},
+        "e": {"enum": [1, "x", None, True, [0], {"k": 0}]},
+        "f": {"const": 0},
+        "g": False,
+        "h": {"not": {"type": "string"}},
+        "i": {"not": {}},
     },
     "additionalProperties": {"type": "string", "maxProperties": 1},
-}
+    "if": {"required": ["b"], "properties": {"b": {"const": True}}},
+    "then": {"required": ["c"]},
+    "else": {"properties": {"a": {"type": "integer"}}},
+    "allOf": [{"properties": {"e": {"$ref": "#/$defs/nest"}}}],
+    "$defs": {"nest": {"type": ["integer", "array", "object", "boolean"], "maximum": 3,
+                       "items": {"$ref": "#/$defs/nest"}}},
+}  # fmt: skip
+_LOOKALIKES = [0, 0.0, 1, 1.0, True, False, None, "x", "1", [0], [0.0], [False], [1, 1.0],
+               [1, True], {"k": 0}, {"k": 0.0}, {"k": False}, {"k": [True]}, {}, []]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
-@given(doc=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "e"]), json_values, max_size=4))
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(
+    doc=st.dictionaries(
+        st.sampled_from("abcdefghiz"), json_values | st.sampled_from(_LOOKALIKES), max_size=5
+    )
+)
 def test_compiled_rules_agree_with_jsonschema_on_every_keyword_they_implement(doc):
-    import jsonschema
-
     from hsstore.spec.schema import compile_rule
 
-    strict = jsonschema.validators.extend(
-        jsonschema.Draft202012Validator,
-        type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
-            "integer", lambda _, x: type(x) is int
-        ),
-    )(_OTHER_RULES)
-    assert (compile_rule(_OTHER_RULES)(doc) is None) == strict.is_valid(doc), doc
+    _assert_agrees(compile_rule(_OTHER_RULES)(doc), _strict(_OTHER_RULES), doc)
 
 
-def test_a_keyword_the_compiled_rules_lack_is_refused():
+@pytest.mark.parametrize("wanted", _LOOKALIKES, ids=repr)
+def test_const_enum_and_unique_items_follow_json_equality(wanted):
+    """1 and 1.0 are equal, True and 1 are not, nor a list and an object: as JSON Schema says."""
+    from hsstore.spec.schema import compile_rule
+
+    rules = {"properties": {"const": {"const": wanted}, "enum": {"enum": [wanted, "y"]},
+                            "unique": {"uniqueItems": True}}}  # fmt: skip
+    check, oracle = compile_rule(rules), _strict(rules)
+    for value in _LOOKALIKES:
+        for doc in ({"const": value}, {"enum": value}, {"unique": [wanted, value]}):
+            _assert_agrees(check(doc), oracle, doc)
+
+
+@pytest.mark.parametrize(
+    "rules, keyword",
+    [
+        ({"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}},
+         "format"),
+        ({"$ref": "#/$defs/x", "$defs": {"x": {"dependentRequired": {}}}}, "dependentRequired"),
+        ({"if": {"type": "array"}, "then": {"prefixItems": []}}, "prefixItems"),
+        ({"items": {"$ref": "other.json"}}, "other.json"),
+        ({"$ref": "#/$defs/missing", "$defs": {}}, "missing"),
+        ({"properties": {"a": {"$defs": {}}}}, "defs"),
+        ({"$schema": "http://json-schema.org/draft-07/schema#"}, "draft-07"),
+    ],
+    ids=["format", "in-a-definition", "in-then", "foreign-ref", "missing-ref", "nested-defs",
+         "dialect"],
+)  # fmt: skip
+def test_a_rule_the_compiled_rules_lack_is_refused(rules, keyword):
     from hsstore.errors import SchemaError
     from hsstore.spec.schema import compile_rule
 
-    rule = {"type": "object", "properties": {"at": {"type": "string", "format": "date-time"}}}
-    with pytest.raises(SchemaError, match="format"):
-        compile_rule(rule)
+    with pytest.raises(SchemaError, match=keyword):
+        compile_rule(rules)
+
+
+def test_the_manifest_schema_compiles_each_definition_once():
+    from hsstore.spec import schema
+
+    root = schema._document_rule()
+    delta, full = root.then.rule, root.otherwise.rule
+    assert delta is not full
+    assert delta.props["add_segments"].each is full.props["segments"].each
+
+
+@st.composite
+def retyped(draw, doc: dict) -> dict:
+    """``doc`` with one scalar given a look-alike: 2 as 2.0, True or "2"; True as 1."""
+    doc = copy.deepcopy(doc)
+    paths = [p for p in _paths(doc) if p and isinstance(_get(doc, p), (int, float, str))]
+    path = draw(st.sampled_from(paths))
+    parent, key = _get(doc, path[:-1]), path[-1]
+    old = parent[key]
+    if isinstance(old, bool):
+        parent[key] = int(old)
+    elif isinstance(old, (int, float)):
+        parent[key] = draw(st.sampled_from([float(old), old != 0, str(old)]))
+    else:
+        parent[key] = draw(st.sampled_from([old + "x", old[:-1], True, 1, None]))
+    return doc
+
+
+def _documents(dataset) -> dict[str, dict]:
+    """A real full manifest (with its segments) and a real delta of the fuzzed dataset."""
+    path = dataset[0]
+    delta = json.loads((path / "manifests" / "v00000003.json").read_text())
+    assert delta["kind"] == "delta" and delta["add_segments"]
+    return {"full": hsstore.open(path).manifest.to_json(), "delta": delta}
+
+
+def _edits(kind: str, doc: dict) -> Iterator[dict]:
+    """Edits each breaking one rule: const, enum, items, minItems, maxItems, uniqueItems, not,
+    the kind dispatch, and integers given as floats or bools."""
+    token = f"{'b' * 32}.1"
+    common = {"format": "hsstorex", "kind": True, "format_version": 2.0, "version": True}
+    if kind == "delta":
+        specific = {"kind": "full", "group": [token, token], "condemn": ["x"],
+                    "add_runs": [{"event": "paused"}], "add_skipped": [{}]}  # fmt: skip
+    else:
+        specific = {"kind": "delta", "dtype": "bfloat17", "layers": [], "codec": {"name": "zstd"},
+                    "columns": {"input_ids": "int33", "loss_mask": "uint8"}}  # fmt: skip
+    for key, value in [*common.items(), *specific.items()]:
+        yield {**copy.deepcopy(doc), key: value}
+    if kind == "delta":
+        yield {k: v for k, v in doc.items() if k != "kind"}  # then read as a full manifest
+    segments = "add_segments" if kind == "delta" else "segments"
+    for field, value in [("num_samples", 1.0), ("num_tokens", True), ("id", "A" * 32)]:
+        edited = copy.deepcopy(doc)
+        edited[segments][0][field] = value
+        yield edited
+    if kind == "delta":
+        yield {**doc, "format_version": 4, "group": [token]}
+        yield {**doc, "format_version": 3, "sample_digest": doc["sample_digest"]}
+    else:
+        yield {**doc, "layers": doc["layers"] * 1366}  # 4098 layers: more than maxItems
+        yield {**doc, "layers": [{**doc["layers"][0], "depth": 1.0}]}
+
+
+@pytest.mark.parametrize("kind", ["delta", "full"])
+def test_whole_documents_get_jsonschemas_verdicts(dataset, kind):
+    """Fuzzed real documents, delta and full: the fast verdict and path are jsonschema's."""
+    from hsstore.spec import schema
+
+    oracle = _strict(schema.schema())
+    doc = _documents(dataset)[kind]
+    assert schema._document_problem(doc) is None and oracle.is_valid(doc)
+    for edited in _edits(kind, doc):
+        problem = schema._document_problem(edited)
+        assert problem is not None, edited
+        _assert_agrees(problem, oracle, edited)
+
+    @settings(max_examples=300, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @given(mutated=st.one_of(mutations(doc), retyped(doc)))
+    def check(mutated):
+        _assert_agrees(schema._document_problem(mutated), oracle, mutated)
+
+    check()
