@@ -16,6 +16,7 @@ import torch
 
 import hsstore
 from hsstore import LayerSpec
+from hsstore.commits import intents
 from hsstore.errors import CommitUnknownError, DuplicateSampleError, SegmentRemovedError
 from hsstore.spec import paths
 from hsstore.storage.locations import open_storage
@@ -204,8 +205,16 @@ def _intents(path: Path | str) -> dict[str, dict]:
         names = storage.list(paths.INTENTS)
     except FileNotFoundError:
         return {}
-    tokens = (paths.intent_token(name) for name in names)
-    return {t: json.loads(storage.read_bytes(paths.intent_key(t))) for t in tokens if t}
+    return {
+        token: json.loads(storage.read_bytes(f"{paths.INTENTS}/{name}"))
+        for name in names
+        if (token := paths.intent_token(name))
+    }
+
+
+def _intent_key(path: Path | str, token: str) -> str:
+    """Where ``token``'s intent is waiting."""
+    return intents.waiting(open_storage(str(path)))[token]
 
 
 def _segment_folders(path: Path) -> set[str]:
@@ -285,11 +294,11 @@ def test_a_writer_that_saw_other_writers_versions_joins_a_group_without_racing_a
     assert len(intent_puts) == 1 and intent_puts[0] < calls.index(("put_if_absent", creates[0]))
     v3 = _delta(path, 3)
     assert v3.get("group", []) == [] and v3["commit"].startswith(wa.leases.owner)
-    for version, seed, intents in ((4, 2, ["put"]), (5, 4, [])):
+    for version, seed, intent_calls in ((4, 2, ["put"]), (5, 4, [])):
         calls.clear()
         wa.add(f"a{version}", *random_sample(4, 2, H, seed=seed))
         assert wa.commit().version == version
-        assert [verb for verb, key in calls if key.startswith(paths.INTENTS)] == intents
+        assert [verb for verb, key in calls if key.startswith(paths.INTENTS)] == intent_calls
     assert _intents(path) == {}
     _assert_holds(path, {"c": 3, "a": 1, "a4": 2, "a5": 4})
     wa.close()
@@ -358,7 +367,7 @@ def test_an_unknown_outcome_while_the_intent_waits_is_learnt_by_committing_again
 def test_a_damaged_intent_is_passed_over_and_its_writer_publishes_its_own_copy(tmp_path):
     s = _Scene(tmp_path / "ds", a=(("a", 1),))
     token_a, _ = s.a_waits()
-    intent_file = s.path / paths.intent_key(token_a)
+    intent_file = s.path / _intent_key(s.path, token_a)
     data = bytearray(intent_file.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit flipped, still text
     intent_file.write_bytes(bytes(data))
@@ -417,11 +426,10 @@ def test_gc_deletes_the_intents_no_version_can_publish_and_keeps_a_waiting_write
     d.wait_at("list", paths.INTENTS)
     (token_d,) = set(_intents(s.path)) - published - {token_a}
     time.sleep(0.6)  # A's lease lapses
+    keys = {t: _intent_key(s.path, t) for t in (*published, token_a)}
     report = hsstore.gc(s.path, grace_s=0)
     assert len(report.removed_segments) == 1  # A's
-    assert sorted(report.removed_files) == sorted(
-        paths.intent_key(t) for t in (*published, token_a)
-    )
+    assert sorted(report.removed_files) == sorted(keys.values())
     assert set(_intents(s.path)) == {token_d}  # D's lease is live: it may still be published
     _finish(d, threads, "d")
     assert results["d"].version == 6  # after gc's version 5
@@ -461,3 +469,19 @@ def test_a_commit_whose_intent_put_lost_its_reply_is_never_reported_failed(tmp_p
     _assert_holds(s.path, {"a": 1, "b": 2, "c": 3})
     assert _intents(s.path) == {}
     s.close()
+
+
+def test_waiting_writers_take_turns_by_arrival_not_by_token(tmp_path):
+    # A writer arriving while a leader builds its group must find itself behind that leader,
+    # whatever its random token, or it leads a second group racing the first.
+    hsstore.create(tmp_path / "ds", layers=[LayerSpec(1)], hidden_size=H, dtype=torch.float32)
+    storage = open_storage(str(tmp_path / "ds"))
+    early, late, unstamped = "f" * 32 + ".1", "0" * 32 + ".1", "a" * 32 + ".7"
+    storage.put(paths.intent_key(late, 1_796_000_000_001), b"{}")
+    storage.put(paths.intent_key(early, 1_796_000_000_000), b"{}")
+    storage.put(f"{paths.INTENTS}/{unstamped}.json", b"{}")  # a name with no arrival
+    storage.put(f"{paths.INTENTS}/{'0' * 32}.json", b"{}")  # no intent's name
+    listed = intents.waiting(storage)
+    assert list(listed) == [unstamped, early, late]
+    assert listed[early] == paths.intent_key(early, 1_796_000_000_000)
+    assert storage.read_bytes(listed[unstamped]) == b"{}"

@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     # storage client (an object-store client's threads do not survive a fork).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "pandas", "hsstore", "tools.bench_commits"])
+    # That server is a new interpreter, and Python 3.11's takes no sys.path from this one:
+    # without this, run from outside the checkout it would measure an installed hsstore.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     work = Path(tempfile.mkdtemp(prefix="bench-commits-", dir=args.dir))
     out: dict[str, list[dict]] = {}
     server = None

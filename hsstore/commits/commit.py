@@ -334,15 +334,14 @@ def _sweep_intents(
     never a commit lost."""
     referenced = {s.id for s in latest.segments}
     swept = []
-    for token in intents.waiting(storage):
-        key = paths.intent_key(token)
+    for key in intents.waiting(storage).values():
         try:
             age = now - storage.stat(key).modified
         except FileNotFoundError:
             continue
         if age <= grace_s + storage.clock_resolution_s:
             continue
-        intent = intents.read(storage, token, dataset_id=latest.dataset_id)
+        intent = intents.read(storage, key, dataset_id=latest.dataset_id)
         if intent is not None and any(
             s.id not in referenced
             and s.id not in removed

@@ -2,13 +2,12 @@
 
 A writer first creates the next version alone (`commit.publish`), unless other writers
 published since it last looked. One that loses that race, or sees others racing, leaves its
-delta as an intent (`hsstore.commits.intents`) and waits: the writer with the
-smallest waiting token leads, publishing every intent it can in one version whose ``group``
-lists their tokens, and the others recognise their token there. So versions, and every
-writer's reads of them, grow with the number of groups rather than of commits. Leading is only
-an optimisation: any writer may lead at any time (the next in token order does when no version
-has come for a while: see PATIENCE_S), since the conditional create orders leaders as it
-orders writers.
+delta as an intent (`hsstore.commits.intents`) and waits: the writer whose waiting intent
+arrived first leads, publishing every intent it can in one version whose ``group`` lists their
+tokens, and the others recognise their token there. So versions, and every writer's reads of
+them, grow with the number of groups rather than of commits. Leading is only an optimisation:
+any writer may lead at any time (the next in arrival order does when no version has come for
+a while: see PATIENCE_S), since the conditional create orders leaders as it orders writers.
 
 A leader publishes another writer's intent only as that writer would have: no version after
 the intent's base carries its token already, condemns or removes one of its segments, or adds
@@ -103,6 +102,7 @@ class GroupCommit:
     _added: dict[int, set[int] | None] = field(default_factory=dict)
     _published: set[str] = field(default_factory=set)  # the tokens of the kept versions
     _waiting: dict[str, Delta] = field(default_factory=dict)  # this writer's, by token
+    _keys: dict[str, str] = field(default_factory=dict)  # intents' keys, by token
     _pool: ThreadPoolExecutor | None = None
     _check_own: Callable[[Manifest], None] | None = None
     _writer_claims: Callable[[Delta], None] | None = None
@@ -150,7 +150,7 @@ class GroupCommit:
             assert self._check_own is not None
             self._check_own(latest)
             intent = replace(mine, version=latest.version + 1)
-            intents.write(self.storage, intent)
+            self._keys[token] = intents.write(self.storage, intent)
             self._waiting[token] = intent
         else:
             latest = base
@@ -158,7 +158,7 @@ class GroupCommit:
             published = self._wait_or_lead(intent, latest)
         except ConflictError:
             del self._waiting[token]
-            intents.drop(self.storage, token)  # refused for good: no leader will take it
+            self._drop(token)  # refused for good: no leader will take it
             raise
         except (CommitUnknownError, IntegrityError):
             raise  # kept to resolve; or versions deleted or pruned, which every leader refuses
@@ -169,6 +169,7 @@ class GroupCommit:
                 path=self.storage.root,
             ) from exc
         del self._waiting[token]
+        self._keys.pop(token, None)
         return published
 
     # -- waiting --------------------------------------------------------------------------
@@ -187,13 +188,14 @@ class GroupCommit:
                     self._contended = True  # published in another writer's group
                     return moved
                 if my_turn is None or moved.version != latest.version:
-                    # First look, or a group came without us (listed before our intent).
-                    place, waiting = self._place(token, intents.waiting(self.storage))
+                    # First look, or a group came without us (listed before our intent). The
+                    # next version comes a leader's cycle later, not at once, so the polls go
+                    # on at the pace they had reached.
+                    place, waiting = self._place(token, self._listing())
                     my_turn = place == 0
                     patience = time.monotonic() + (place + 1) * (
                         PATIENCE_S + PATIENCE_PER_INTENT_S * waiting
                     )
-                    poll = POLL_FIRST_S
                 latest = moved
                 if my_turn or time.monotonic() > patience:
                     return self._publish(intent, latest, group=True)
@@ -214,9 +216,11 @@ class GroupCommit:
             poll = min(POLL_CAP_S, poll * 2)
 
     def _place(self, token: str, listed: list[str]) -> tuple[int, int]:
-        """``token``'s place among the listed tokens not known to be published (0: it leads
-        now; a token not listed, e.g. an intent a leader dropped, also leads), and how many
-        those are."""
+        """``token``'s place among the listed tokens not known to be published, earliest left
+        first (0: it leads now; a token not listed, e.g. an intent a leader dropped, also
+        leads), and how many those are. By arrival, so that a writer arriving while a leader
+        builds its group finds itself behind that leader and waits, rather than leading a
+        second group that races the first for the same version."""
         waiting = [t for t in listed if t not in self._published]
         return (waiting.index(token) if token in waiting else 0), len(waiting)
 
@@ -265,22 +269,24 @@ class GroupCommit:
             self._contended = bool(head.group) or self._others_seen
             if head.commit == token and group:
                 # Done with: best effort (the next leader drops any left, as published).
-                self._io(lambda t: intents.drop(self.storage, t), [token, *head.group])
+                self._io(self._drop, [token, *head.group])
         return published
 
     def _others(self, mine: Delta, latest: Manifest) -> list[Delta]:
         """The waiting intents that may go into the version after ``latest`` beside ``mine``,
-        in token order."""
+        in arrival order."""
         taken = set(_hashes(mine).tolist())
         chosen = []
-        waiting = [t for t in intents.waiting(self.storage) if t != mine.commit]
+        # An intent a version this writer has read carries is its leader's to delete; reading
+        # and judging it again would cost two requests and decide nothing.
+        waiting = [t for t in self._listing() if t != mine.commit and t not in self._published]
         unread = [t for t in waiting if t not in self._intents]
         for token, intent in zip(unread, self._io(lambda t: intents.read(
-            self.storage, t, dataset_id=latest.dataset_id), unread)):  # fmt: skip
+            self.storage, self._keys[t], dataset_id=latest.dataset_id), unread)):  # fmt: skip
             if intent is None:
                 # Unreadable or damaged: passed over, and dropped so that the writers taking
                 # turns do not wait for it (its writer holds a copy to publish).
-                intents.drop(self.storage, token)
+                self._drop(token)
             else:
                 self._intents[token] = intent
         for token in waiting:
@@ -295,7 +301,7 @@ class GroupCommit:
             elif verdict != "later":
                 # Published already, or it cannot go in after ``latest``: its writer (which
                 # holds a copy) learns which when it reads the versions or leads.
-                intents.drop(self.storage, token)
+                self._drop(token)
                 self._intents.pop(token, None)
         return chosen
 
@@ -323,6 +329,20 @@ class GroupCommit:
             if added is None or not ids.isdisjoint(added):
                 return "no"  # an id hash published, or ids not recorded: its writer checks
         return "ok"
+
+    def _listing(self) -> list[str]:
+        """The tokens of the intents waiting now, earliest left first (their keys kept)."""
+        listed = intents.waiting(self.storage)
+        # This writer's own keys, and the others' as listed now: one not listed is gone.
+        own = {t: k for t, k in self._keys.items() if t in self._waiting}
+        self._keys = {**listed, **own}
+        return list(listed)
+
+    def _drop(self, token: str) -> None:
+        """Delete ``token``'s intent (best effort), if this writer knows its key."""
+        key = self._keys.pop(token, None)
+        if key is not None:
+            intents.drop(self.storage, key)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -38,7 +38,10 @@ LATEST_HINT = f"{MANIFESTS}/_latest"
 # the next version to publish with its own (hsstore.commits.group). Not data: a reader ignores
 # the folder, and what an intent names is committed only once a version lists it.
 INTENTS = f"{MANIFESTS}/intents"
-_INTENT_RE = re.compile(r"^([0-9a-f]{32}\.[0-9]{1,16})\.json$")
+# An intent's name starts with when its writer left it (milliseconds since the epoch, by the
+# writer's clock), so a listing sorts the waiting writers by arrival; a name without it sorts
+# first.
+_INTENT_RE = re.compile(r"^(?:(\d{13,16})-)?([0-9a-f]{32}\.[0-9]{1,16})\.json$")
 
 _MANIFEST_RE = re.compile(r"^v(\d{8,})\.json$")
 _CHECKPOINT_RE = re.compile(r"^c(\d{8,})\.json$")
@@ -55,14 +58,20 @@ def manifest_version(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def intent_key(token: str) -> str:
-    return f"{INTENTS}/{token}.json"
+def intent_key(token: str, arrival_ms: int) -> str:
+    return f"{INTENTS}/{arrival_ms:013d}-{token}.json"
 
 
 def intent_token(name: str) -> str | None:
     """The commit token an intent file name carries, or None for anything else."""
     m = _INTENT_RE.match(name)
-    return m.group(1) if m else None
+    return m.group(2) if m else None
+
+
+def intent_arrival(name: str) -> int:
+    """When an intent's writer left it (ms since the epoch; 0 when its name does not say)."""
+    m = _INTENT_RE.match(name)
+    return int(m.group(1)) if m and m.group(1) else 0
 
 
 def checkpoint_key(version: int) -> str:
