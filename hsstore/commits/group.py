@@ -280,7 +280,8 @@ class GroupCommit:
             # writer's last commit; a lone writer's group of one leaves this again.
             self._contended = bool(head.group) or self._others_seen
             if head.commit == token and group:
-                # Done with: best effort (the next leader drops any left, as published).
+                # Done with: best effort (gc removes any left, and a writer that has not read
+                # this version drops them when it judges them published).
                 self._io(self._drop, [token, *head.group])
         return published
 
