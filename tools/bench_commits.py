@@ -37,6 +37,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -275,12 +276,20 @@ def main(argv: list[str] | None = None) -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "pandas", "hsstore", "tools.bench_commits"])
     # That server is a new interpreter, and Python 3.11's takes no sys.path from this one:
-    # without this, run from outside the checkout it would measure an installed hsstore.
+    # given none, run from outside the checkout it would measure an installed hsstore.
+    previous = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+        [str(Path(__file__).resolve().parents[1]), *filter(None, [previous])]
     )
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
     work = Path(tempfile.mkdtemp(prefix="bench-commits-", dir=args.dir))
-    out: dict[str, list[dict]] = {}
+    out: dict[str, Any] = {}
     server = None
     try:
         for backend in ["s3", "local"] if "s3" in args.backends else ["local"]:
@@ -299,10 +308,11 @@ def main(argv: list[str] | None = None) -> None:
             out[backend] = []
             if args.create_race:
                 where = "s3://hsstore/race" if backend == "s3" else str(work / "race")
-                waits = ", ".join(f"{x * 1e3:.0f}" for x in create_race(where, args.create_race))
+                waits = [x * 1e3 for x in create_race(where, args.create_race)]
+                out[f"{backend}_create_race_ms"] = waits
                 if not args.json:
-                    print(f"  {args.create_race} creates of one object at once answered "
-                          f"after (ms): {waits}", flush=True)  # fmt: skip
+                    print(f"  {args.create_race} creates of one object at once answered after "
+                          f"(ms): {', '.join(f'{x:.0f}' for x in waits)}", flush=True)  # fmt: skip
             for n in args.writers:
                 if backend == "s3":
                     location = f"s3://hsstore/{uuid.uuid4().hex}/ds"
