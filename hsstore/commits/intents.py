@@ -41,8 +41,8 @@ def waiting(storage: Storage) -> dict[str, str]:
         names = storage.list(paths.INTENTS)
     except FileNotFoundError:
         return {}
-    found = [(paths.intent_arrival(n), t, n) for n in names if (t := paths.intent_token(n))]
-    return {token: f"{paths.INTENTS}/{name}" for _, token, name in sorted(found)}
+    found = sorted((parts, name) for name in names if (parts := paths.intent_parts(name)))
+    return {token: f"{paths.INTENTS}/{name}" for (_, token), name in found}
 
 
 def read(storage: Storage, key: str, *, dataset_id: str) -> Delta | None:

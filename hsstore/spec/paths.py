@@ -64,14 +64,15 @@ def intent_key(token: str, arrival_ms: int) -> str:
 
 def intent_token(name: str) -> str | None:
     """The commit token an intent file name carries, or None for anything else."""
-    m = _INTENT_RE.match(name)
-    return m.group(2) if m else None
+    parts = intent_parts(name)
+    return parts[1] if parts else None
 
 
-def intent_arrival(name: str) -> int:
-    """When an intent's writer left it (ms since the epoch; 0 when its name does not say)."""
+def intent_parts(name: str) -> tuple[int, str] | None:
+    """When an intent's writer left it (ms since the epoch; 0 when its name does not say) and
+    its commit token, or None for a name that is no intent's."""
     m = _INTENT_RE.match(name)
-    return int(m.group(1)) if m and m.group(1) else 0
+    return (int(m.group(1) or 0), m.group(2)) if m else None
 
 
 def checkpoint_key(version: int) -> str:

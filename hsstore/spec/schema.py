@@ -46,8 +46,14 @@ def schema() -> dict[str, Any]:
 
 
 @lru_cache(maxsize=1)
+def _compiler() -> _Compiler:
+    """The manifest schema's compiler: the document's rule and `_segment_rule` share its defs."""
+    return _Compiler(schema())
+
+
+@lru_cache(maxsize=1)
 def _document_rule() -> _Rule:
-    return _Compiler(schema()).root()
+    return _compiler().root()
 
 
 def validate(obj: Any, *, where: str) -> None:
@@ -335,9 +341,8 @@ def _json_key(x: Any) -> Any:
     return x
 
 
-@lru_cache(maxsize=1)
 def _segment_rule() -> Sub:
-    return _Compiler(schema()).ref("#/$defs/segment")
+    return _compiler().ref("#/$defs/segment")
 
 
 def _check_segment(seg: Any) -> str | None:
