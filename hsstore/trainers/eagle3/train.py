@@ -174,6 +174,15 @@ def distributed_setup() -> tuple[int, int, int]:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     if world > 1 and not torch.distributed.is_initialized():
+        # torch.distributed.nn's functions take ``group=group.WORLD`` as a default argument,
+        # evaluated when that module is first imported, which constructing DDP does (through
+        # torch._dynamo). Imported once the group exists, they would hold it for the life of
+        # the interpreter: destroy_process_group() could not free it, and gloo's threads and
+        # connections would be torn down only while the interpreter finalizes (as the other
+        # rank exits too), where a thread that needs the interpreter is ended mid-call and
+        # aborts the process. Imported first, those defaults are None.
+        from torch.distributed import nn as _defaults_of_none  # noqa: F401
+
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend)
     return rank, world, local
@@ -470,6 +479,7 @@ def train(args: argparse.Namespace) -> dict:
     if samples_log is not None:
         samples_log.close()
     if world > 1:
+        del ddp_model  # its reducer holds the group too: the group is freed, its threads joined
         torch.distributed.destroy_process_group()
     return {"summary": summary, "history": history, "checkpoint": str(out / "checkpoint")}
 
