@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,33 @@ def test_exit_with_a_loader_in_a_module_global_prints_nothing(tmp_path, threads)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[0] == "batches" and int(proc.stdout.split()[1]) > 1, proc.stdout
     assert proc.stderr == "", proc.stderr
+
+
+def test_close_waits_for_a_producer_inside_a_slow_storage_call(tmp_path, monkeypatch):
+    """A producer still inside a storage call when ``close`` returns would be a daemon thread
+    in a compiled call at exit: ``close`` returns only once it has left it, even when that
+    takes longer than its first wait."""
+    from hsstore.loader import Loader, fetch
+    from hsstore.storage.locations import open_storage
+    from tests.faults import Fault, FaultyStorage
+
+    path = small_dataset(tmp_path / "ds", 40)
+    reached, armed = threading.Event(), threading.Event()
+
+    def plan(call):  # slow down the producer's own storage calls once armed
+        if armed.is_set() and threading.current_thread().name == "hsstore-plan":
+            return Fault("pause", seconds=1.0, reached=reached)
+        return None
+
+    # one decode thread: the producer reads the batch's chunks itself
+    loader = Loader(hsstore.open(FaultyStorage(open_storage(str(path)), plan)), max_tokens=64,
+                    num_threads=1, prefetch=1)  # fmt: skip
+    batches = iter(loader)
+    next(batches)
+    armed.set()
+    next(batches)  # frees a buffer: the producer goes on to plan and read the next batch
+    assert reached.wait(10), "the producer made no storage call"
+    monkeypatch.setattr(fetch, "FIRST_JOIN_S", 0.05)
+    loader.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("hsstore-plan")]
+    assert alive == []

@@ -61,7 +61,13 @@ from hsstore.loader.damaged import blank
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.decode_paths import resolve_decode_path
 from hsstore.loader.dequant import dequantize_batch
-from hsstore.loader.shutdown import POLL_S, close_at_exit, put_unless_stopped
+from hsstore.loader.shutdown import (
+    FIRST_JOIN_S,
+    POLL_S,
+    await_stopped,
+    close_at_exit,
+    put_unless_stopped,
+)
 
 _FIRST_POLL_S = 0.001
 # Less stale padding than this is zeroed by the producer: a hand-off costs as much.
@@ -440,22 +446,23 @@ class BatchFetcher:
             f.cancel()
 
     def close(self) -> None:
-        """Stop producing and release the threads (idempotent; also on garbage collection)."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        # Wake a producer waiting for a free buffer or for room in the queue, so that it sees
-        # the stop now rather than at its next poll.
-        self._free.put(None)
-        with contextlib.suppress(queue.Empty):
-            self._out.get_nowait()
-        pools = [p for p in (self._pool, self._checker, self._pipeline) if p is not None]
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        for pool in pools:
-            pool.shutdown(wait=True)
+        """Stop producing and release the threads (idempotent; also on garbage collection):
+        returns once the producer has left any storage call it was in."""
+        if not self._stop.is_set():
+            self._stop.set()
+            # Wake a producer waiting for a free buffer or for room in the queue, so that it
+            # sees the stop now rather than at its next poll.
+            self._free.put(None)
+            with contextlib.suppress(queue.Empty):
+                self._out.get_nowait()
+            pools = [p for p in (self._pool, self._checker, self._pipeline) if p is not None]
+            for pool in pools:
+                pool.shutdown(wait=False, cancel_futures=True)
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=FIRST_JOIN_S)
+            for pool in pools:
+                pool.shutdown(wait=True)
+        await_stopped(self._thread)
 
     def __del__(self) -> None:
         # Not contextlib.suppress: at interpreter exit this module's globals may already be

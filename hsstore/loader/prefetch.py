@@ -26,7 +26,7 @@ import torch
 
 from hsstore.loader.collate import RawBatch
 from hsstore.loader.dequant import to_device
-from hsstore.loader.shutdown import close_at_exit, put_unless_stopped
+from hsstore.loader.shutdown import await_stopped, close_at_exit, put_unless_stopped
 
 _END = object()
 
@@ -106,16 +106,14 @@ class DevicePrefetcher:
         return dev
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        with contextlib.suppress(queue.Empty):  # room for a stager waiting to queue a batch
-            self._q.get_nowait()
-        close = getattr(self._host, "close", None)
-        if close is not None:
-            close()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        if not self._stop.is_set():
+            self._stop.set()
+            with contextlib.suppress(queue.Empty):  # room for a stager waiting to queue a batch
+                self._q.get_nowait()
+            close = getattr(self._host, "close", None)
+            if close is not None:
+                close()
+        await_stopped(self._thread)
 
     def __del__(self) -> None:
         # Not contextlib.suppress: at interpreter exit this module's globals may already be

@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Protocol
 
+from hsstore import settings
+
 
 class Closeable(Protocol):
     def close(self) -> None: ...
@@ -46,6 +48,17 @@ atexit.register(_close_all)
 
 # How often a thread blocked on a queue looks whether it was asked to stop.
 POLL_S = 0.1
+# How long `BatchFetcher.close` gives its producer before it shuts the decode pools under it.
+FIRST_JOIN_S = 5.0
+
+
+def await_stopped(thread: threading.Thread) -> None:
+    """Wait, after its owner was asked to stop, for ``thread`` to leave the call it is in: a
+    storage call ends within the storage's own retry timeout, and a thread still inside one
+    when the interpreter finalizes could abort the process (above). Every ``close`` ends
+    with this, so the exit hook's ``close`` of an owner closed earlier waits for it again."""
+    if thread is not threading.current_thread():
+        thread.join(timeout=settings.current().retry_timeout_s)
 
 
 def put_unless_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
