@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from hsstore.demo_model import build_tiny_model
 from hsstore.loader import Loader
 from hsstore.trainers.eagle3.checkpoint import find_checkpoint, load_trainer_state
 from tests.faults import sitecustomize_env
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"
@@ -90,12 +90,6 @@ def _extract(model: Path, data: Path, url: str, shard: str) -> subprocess.Popen[
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stderr=subprocess.PIPE, text=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # The killed run holds at its second checkpoint, before writing it: its log then has steps
 # past the first checkpoint however fast the steps go, and however little data there is.
 HOLD_AT_SECOND_CHECKPOINT = """
@@ -125,7 +119,7 @@ def _train(
     launch = [sys.executable]
     if ranks > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                   "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]  # fmt: skip
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
     cmd = [*launch, "-m", "hsstore.trainers.eagle3", "--data", url, "--out", str(out),
            "--steps", "1000", "--max-tokens", str(MAX_TOKENS), "--draft-vocab-size", "64",
            "--ttt-steps", "1", "--num-threads", "1", "--log-every", "1000", "--device", "cpu",

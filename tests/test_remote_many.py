@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from hsstore import LayerSpec
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import HsstoreError
 from hsstore.loader import Loader
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"
@@ -109,18 +109,12 @@ def _dataset(url: str, n: int = 24) -> None:
 
 def _torchrun(url: str, out: Path, log: Path, steps: int, *extra: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "hsstore.trainers.eagle3",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "hsstore.trainers.eagle3",
            "--data", url, "--out", str(out), "--steps", str(steps), "--max-tokens", "64",
            "--draft-vocab-size", "64", "--ttt-steps", "2", "--num-threads", "1",
            "--log-every", "100", "--device", "cpu", "--samples-log", str(log), *extra]  # fmt: skip
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(log: Path, rank: int) -> list[list[int]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from hsstore.spec import paths
 from hsstore.spec.manifest import Delta
 from hsstore.storage.locations import open_storage
 from hsstore.storage.object_store import ObjectStorage
+from tests.ports import free_port
 from tools.convert_fixtures import write_v1_dir
 from tools.synthetic import random_sample
 
@@ -283,12 +283,6 @@ def test_server_stopped_mid_commit_then_restarted(remote, monkeypatch):
     assert hsstore.verify(remote.url).ok
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("problem", ["wrong secret", "missing bucket", "unreachable endpoint"])
 def test_storage_problems_are_one_line_exit_2(remote, problem, monkeypatch, tmp_path):
     if problem == "wrong secret" and remote.secret_var is None:
@@ -307,7 +301,7 @@ def test_storage_problems_are_one_line_exit_2(remote, problem, monkeypatch, tmp_
     elif problem == "missing bucket":
         url = remote.url.replace("://hsstore/", "://no-such-bucket/")
     else:
-        env[remote.endpoint_var] = f"http://127.0.0.1:{_free_port()}"
+        env[remote.endpoint_var] = f"http://127.0.0.1:{free_port()}"
     # One real process (the installed entry point's behaviour), the other commands in process.
     r = subprocess.run([sys.executable, "-c", CLI, "inspect", url], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip

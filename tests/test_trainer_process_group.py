@@ -8,11 +8,12 @@ connections are torn down only while the interpreter finalizes, as the other ran
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,15 +36,9 @@ RANK = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_destroying_the_process_group_frees_it_after_ddp():
     base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}  # fmt: skip
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}  # fmt: skip
 
     def start(rank: int) -> subprocess.Popen[str]:
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}

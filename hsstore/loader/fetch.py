@@ -61,15 +61,11 @@ from hsstore.loader.damaged import blank
 from hsstore.loader.dataset_handle import DatasetSource, LayerChoice
 from hsstore.loader.decode_paths import resolve_decode_path
 from hsstore.loader.dequant import dequantize_batch
-from hsstore.loader.shutdown import (
-    FIRST_JOIN_S,
-    POLL_S,
-    await_stopped,
-    close_at_exit,
-    put_unless_stopped,
-)
+from hsstore.loader.shutdown import POLL_S, await_stopped, close_at_exit, put_unless_stopped
 
 _FIRST_POLL_S = 0.001
+# How long `close` gives the producer before it shuts the decode pools under it.
+FIRST_JOIN_S = 5.0
 # Less stale padding than this is zeroed by the producer: a hand-off costs as much.
 _ZERO_HERE_BYTES = 1 << 20
 _END = object()

@@ -48,8 +48,6 @@ atexit.register(_close_all)
 
 # How often a thread blocked on a queue looks whether it was asked to stop.
 POLL_S = 0.1
-# How long `BatchFetcher.close` gives its producer before it shuts the decode pools under it.
-FIRST_JOIN_S = 5.0
 
 
 def await_stopped(thread: threading.Thread) -> None:

@@ -1,0 +1,12 @@
+"""A TCP port on the loopback interface that nothing listens on (for servers and ranks the
+tests start)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
