@@ -115,6 +115,7 @@ def test_close_waits_for_a_producer_inside_a_slow_storage_call(tmp_path, monkeyp
             return Fault("pause", seconds=1.0, reached=reached)
         return None
 
+    earlier = set(threading.enumerate())  # other tests' loaders may still be collected
     # one decode thread: the producer reads the batch's chunks itself
     loader = Loader(hsstore.open(FaultyStorage(open_storage(str(path)), plan)), max_tokens=64,
                     num_threads=1, prefetch=1)  # fmt: skip
@@ -125,5 +126,5 @@ def test_close_waits_for_a_producer_inside_a_slow_storage_call(tmp_path, monkeyp
     assert reached.wait(10), "the producer made no storage call"
     monkeypatch.setattr(fetch, "FIRST_JOIN_S", 0.05)
     loader.close()
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("hsstore-plan")]
+    alive = [t.name for t in set(threading.enumerate()) - earlier if t.name == "hsstore-plan"]
     assert alive == []
