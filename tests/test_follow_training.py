@@ -26,7 +26,7 @@ from hsstore.demo_model import build_tiny_model
 from hsstore.loader import Loader
 from hsstore.trainers.eagle3.checkpoint import find_checkpoint, load_trainer_state
 from tests.faults import sitecustomize_env
-from tests.ports import free_port
+from tools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"

@@ -23,7 +23,7 @@ from hsstore import LayerSpec
 from hsstore.demo_model import build_tiny_model
 from hsstore.errors import HsstoreError
 from hsstore.loader import Loader
-from tests.ports import free_port
+from tools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from hsstore.cli import main; main()"

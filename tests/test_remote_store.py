@@ -27,8 +27,8 @@ from hsstore.spec import paths
 from hsstore.spec.manifest import Delta
 from hsstore.storage.locations import open_storage
 from hsstore.storage.object_store import ObjectStorage
-from tests.ports import free_port
 from tools.convert_fixtures import write_v1_dir
+from tools.ports import free_port
 from tools.synthetic import random_sample
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.ports import free_port
+from tools.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

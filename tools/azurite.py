@@ -17,10 +17,11 @@ import http.client
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from tools.ports import free_port
 
 ACCOUNT = "devstoreaccount1"
 # Azurite's published development key (the same in every installation).
@@ -38,19 +39,13 @@ def azurite_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class AzuriteServer:
     """``azurite-blob`` in ``workdir``; ``start()``/``stop()`` may be called repeatedly."""
 
     def __init__(self, workdir: str | os.PathLike[str], containers: tuple[str, ...] = ("hsstore",)):
         self.workdir = Path(workdir)
         self.containers = containers
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

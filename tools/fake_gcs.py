@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,12 +53,6 @@ def fake_gcs_binary() -> str:
     return str(_server._get_binary_path())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _answers(url: str) -> bool:
     try:
         urllib.request.urlopen(url, timeout=1)  # noqa: S310 - loopback only
@@ -75,9 +68,13 @@ class FakeGcsServer:
     may be called repeatedly (same data, same ports)."""
 
     def __init__(self, workdir: str | os.PathLike[str], buckets: tuple[str, ...] = ("hsstore",)):
+        # Imported here: this file also runs as the gateway's script, with no tools package
+        # on its path.
+        from tools.ports import free_ports
+
         self.workdir = Path(workdir)
         self.buckets = buckets
-        self.server_port, self.gateway_port = _free_port(), _free_port()
+        self.server_port, self.gateway_port = free_ports(2)
         self._procs: list[subprocess.Popen[bytes]] = []
 
     @property

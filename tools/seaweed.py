@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tools.ports import free_ports
 
 ACCESS_KEY = "hsstore-test-key"
 SECRET_KEY = "hsstore-test-secret"
@@ -49,26 +50,13 @@ def weed_binary() -> str:
     return found
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class SeaweedServer:
     """`weed mini` in ``workdir``; ``start()``/``stop()`` may be called repeatedly (same data)."""
 
     def __init__(self, workdir: str | os.PathLike[str], buckets: tuple[str, ...] = ("hsstore",)):
         self.workdir = Path(workdir)
         self.buckets = buckets
-        self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
