@@ -46,6 +46,9 @@ class Settings:
     # Decode and hash through numcodecs, zstandard and xxhash's Python APIs even where the
     # compiled modules are built (HSSTORE_NO_FAST_DECODE=1).
     no_fast_decode: bool = False
+    # Write large local files (shards) around the page cache, where the file system allows
+    # it (HSSTORE_DIRECT_WRITES=0 says no: every write goes through the page cache).
+    direct_writes: bool = True
     # The SGLang backend: run a release it was not checked against (HSSTORE_SGLANG_UNTESTED=1),
     # and how hidden states come back from the engine (HSSTORE_SGLANG_CAPTURE: shm or lists;
     # unset: the backend's default).
@@ -65,6 +68,7 @@ def current(environ: Mapping[str, str] | None = None) -> Settings:
         cache_bytes=_read(env, "HSSTORE_CACHE_BYTES", _whole(1), 64 << 30),
         malloc_tuning=_read(env, "HSSTORE_MALLOC_TUNING", _switch, True),
         no_fast_decode=_read(env, "HSSTORE_NO_FAST_DECODE", _switch, False),
+        direct_writes=_read(env, "HSSTORE_DIRECT_WRITES", _switch, True),
         sglang_untested=_read(env, "HSSTORE_SGLANG_UNTESTED", _switch, False),
         sglang_capture=env.get("HSSTORE_SGLANG_CAPTURE") or None,
     )

@@ -4,8 +4,6 @@ chunk by chunk a little ahead of its decoding, the loader a whole batch ahead.""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 import time
@@ -22,50 +20,8 @@ from hsstore.loader import Loader
 from hsstore.loader.fetch import BatchFetcher
 from hsstore.storage import read_ahead
 from hsstore.storage.local_store import LocalStorage
+from tests.page_cache import PAGE, cached_pages, evict, evictable
 from tools.synthetic import llm_like_states
-
-PAGE = mmap.PAGESIZE
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]  # fmt: skip
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def cached_pages(path: Path) -> list[int]:
-    """The page numbers of the file that are in the page cache (`mincore`, which, unlike a
-    probing read, starts no readahead of its own)."""
-    size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-        try:
-            vec = ctypes.create_string_buffer(-(-size // PAGE))
-            assert _libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
-            return [p for p, flag in enumerate(vec.raw) if flag & 1]
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def evictable(path: Path) -> bool:
-    """Whether this file system drops clean pages on request (tmpfs keeps them)."""
-    evict(path)
-    return not cached_pages(path)
 
 
 def test_will_read_brings_exactly_the_ranges_into_the_page_cache(tmp_path):

@@ -13,6 +13,7 @@ time: on a CPU engine every CPU-second of storing is one the forward waits for.
 
     python tools/bench_writer_cpu.py                 # ~1.5 GB written, under a minute
     python tools/bench_writer_cpu.py --samples 8     # smaller
+    HSSTORE_DIRECT_WRITES=0 python tools/bench_writer_cpu.py   # shards through the page cache
 
 The last line is machine-readable (``--json``: one JSON object instead): microseconds of CPU per
 token in all and by stage, then ``encode_share`` (of the total; zstd's own entropy coding is most

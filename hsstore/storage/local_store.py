@@ -21,8 +21,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+from hsstore import settings
 from hsstore.errors import FormatError, NotADatasetError, no_such_path
-from hsstore.storage import read_ahead
+from hsstore.storage import direct_write, read_ahead
 from hsstore.storage._pread_many import pread_spans
 from hsstore.storage.read_ahead import ReadHints
 from hsstore.storage.store import TEMP_PREFIX, ObjectInfo, Storage, holds
@@ -51,10 +52,16 @@ class LocalStorage(Storage):
         *,
         max_open_files: int = 128,
         read_hints: ReadHints | None = None,
+        direct_writes: bool | None = None,
     ):
         """``read_hints``: how reads get bytes off the disk (`ReadHints`; default IN_ORDER
-        where the system supports hints, else NONE)."""
+        where the system supports hints, else NONE). ``direct_writes``: whether large files
+        are written around the page cache (`hsstore.storage.direct_write`; default: the
+        ``HSSTORE_DIRECT_WRITES`` setting, on)."""
         self.root = str(Path(root).expanduser())
+        self.direct_writes = (
+            settings.current().direct_writes if direct_writes is None else direct_writes
+        )
         supported = ReadHints.IN_ORDER if read_ahead.SUPPORTED else ReadHints.NONE
         self.read_hints = read_hints or supported
         # key -> [fd, readers using it]. A descriptor evicted while a thread still reads
@@ -253,11 +260,15 @@ class LocalStorage(Storage):
     def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
         path = self._abs(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        size = 0
-        with _naming(path), open(path, "xb") as f:
-            for piece in pieces:
-                f.write(piece)
-                size += len(piece)
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        size = sum(view.nbytes for view in views)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        with _naming(path):
+            fd = os.open(path, flags, 0o666)
+            try:
+                direct_write.write_pieces(fd, views, size, direct=self.direct_writes)
+            finally:
+                os.close(fd)
         return size
 
     def sync(self, keys: Iterable[str]) -> None:
@@ -322,10 +333,12 @@ class LocalStorage(Storage):
 
     def __getstate__(self) -> dict:
         # Pickled into worker processes: descriptors and locks do not travel.
-        return {"root": self.root, "max_open": self._max_open}
+        return {"root": self.root, "max_open": self._max_open, "direct": self.direct_writes}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"], max_open_files=state["max_open"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["root"], max_open_files=state["max_open"], direct_writes=state["direct"]
+        )
 
 
 # How often a local write starts again when its temp file was removed under it.
