@@ -6,8 +6,9 @@ model (a CPU engine) every one of those CPU-seconds is one the forward waits for
 machine whose memory was never touched the page allocation alone costs several times the
 copy. Shard files are written once, in full, and read later (by then the cache would have
 dropped them on a host that writes terabytes), so they need no cached copy.
-`tools/bench_writer_cpu.py` measures the write stage's CPU per token with and without
-(``HSSTORE_DIRECT_WRITES=0``).
+`tools/bench_direct_write.py` measures the machine's CPU per token both ways, and
+`tools/bench_writer_cpu.py` the writer's write stage (``HSSTORE_DIRECT_WRITES=0`` for the
+page cache).
 
 How: the pieces are copied into this thread's page-aligned stage of `STAGE_BYTES` and written
 a stage at a time; the last, partial stage is written padded with zeros to `ALIGN_BYTES` and
@@ -36,17 +37,20 @@ SUPPORTED = hasattr(os, "O_DIRECT")
 _STAGES = threading.local()
 
 
-def write_pieces(fd: int, pieces: Sequence[memoryview], size: int, *, direct: bool) -> None:
-    """Write ``pieces`` (byte views, ``size`` bytes in all) to the new, empty file ``fd``;
-    around the page cache if ``direct`` and the file system allows it."""
+def write_pieces(fd: int, pieces: Sequence[bytes | memoryview], size: int, *, direct: bool) -> None:
+    """Write ``pieces`` (bytes, ``size`` in all) to the new, empty file ``fd``; around the
+    page cache if ``direct`` and the file system allows it."""
     if not (direct and SUPPORTED and size >= MIN_BYTES and _set_direct(fd, True)):
-        for piece in pieces:
-            _write_out(fd, piece, direct=False)
+        # Buffered, so that a shard's small pieces (frame headers, lengths, checksums) are
+        # gathered into few system calls, as the stage gathers them on the direct path.
+        with open(fd, "wb", closefd=False) as file:
+            for piece in pieces:
+                file.write(piece)
         return
     stage = _stage()
     filled = 0
     direct_now = True
-    for piece in pieces:
+    for piece in map(_byte_view, pieces):
         at = 0
         while at < piece.nbytes:
             n = min(piece.nbytes - at, STAGE_BYTES - filled)
@@ -95,6 +99,10 @@ def _set_direct(fd: int, on: bool) -> bool:
             raise
         return False
     return on
+
+
+def _byte_view(piece: bytes | memoryview) -> memoryview:
+    return memoryview(piece).cast("B")
 
 
 def _stage() -> memoryview:

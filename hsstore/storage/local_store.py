@@ -260,13 +260,13 @@ class LocalStorage(Storage):
     def write_file(self, key: str, pieces: Iterable[bytes | memoryview]) -> int:
         path = self._abs(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        views = [memoryview(piece).cast("B") for piece in pieces]
-        size = sum(view.nbytes for view in views)
+        pieces = list(pieces)
+        size = sum(len(piece) for piece in pieces)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         with _naming(path):
             fd = os.open(path, flags, 0o666)
             try:
-                direct_write.write_pieces(fd, views, size, direct=self.direct_writes)
+                direct_write.write_pieces(fd, pieces, size, direct=self.direct_writes)
             finally:
                 os.close(fd)
         return size
